@@ -1,0 +1,201 @@
+"""Qwen2 decoder in Flax NNX, with a preallocated KV cache (a plain pytree).
+
+Shape suffixes: B batch, T new tokens, S cache slots, D hidden, H query heads,
+K key/value heads, Hd head dim, F intermediate, V vocabulary, L layers.
+
+The cache holds every layer's keys and values in slots `[0, S)`, a per-slot
+validity mask, and `index`: the next slot to write. All rows write the same
+slots; a row's real tokens are those whose slots are valid, and positions
+(for the rotary embedding) are given by the caller per token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
+from epgrpo_jax.models._lora import Linear
+
+Cache = dict  # {"k": [L x BxSxKxHd], "v": [...], "valid": BxS bool, "index": int32 scalar}
+_NEG = -1e30  # finite, so that a row with no valid key gives a uniform, not NaN, softmax
+
+
+def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
+  """An empty cache for `batch` rows and `slots` positions."""
+  dtype = dtype or as_dtype(cfg.dtype)
+  shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+  return {
+      "k": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+      "v": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+      "valid": jnp.zeros((batch, slots), bool),
+      "index": jnp.zeros((), jnp.int32),
+  }
+
+
+def rope(x_BxTxNxHd, positions_BxT, theta: float):
+  """Rotary embedding in the HF "rotate half" layout, computed in float32."""
+  hd = x_BxTxNxHd.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  angles_BxTxHd2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  angles_BxTx1xHd = jnp.concatenate([angles_BxTxHd2, angles_BxTxHd2], -1)[:, :, None, :]
+  x = x_BxTxNxHd.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], -1)
+  out = x * jnp.cos(angles_BxTx1xHd) + rotated * jnp.sin(angles_BxTx1xHd)
+  return out.astype(x_BxTxNxHd.dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, param_dtype):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(jnp.float32) * x32.astype(x.dtype).astype(jnp.float32)
+
+
+def _linear(cfg: ModelConfig, lora: LoraConfig | None, name: str, d_in, d_out, bias, rngs):
+  rank = lora.rank if lora is not None and name in lora.targets else 0
+  return Linear(d_in, d_out, use_bias=bias, param_dtype=as_dtype(cfg.param_dtype),
+                dtype=as_dtype(cfg.dtype), rngs=rngs, lora_rank=rank,
+                lora_scale=lora.scale if rank else 1.0)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
+    d, h, k, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q = _linear(cfg, lora, "q", d, h * hd, True, rngs)
+    self.k = _linear(cfg, lora, "k", d, k * hd, True, rngs)
+    self.v = _linear(cfg, lora, "v", d, k * hd, True, rngs)
+    self.o = _linear(cfg, lora, "o", h * hd, d, False, rngs)
+    self.cfg = cfg
+
+  def __call__(self, x_BxTxD, positions_BxT, k_BxSxKxHd, v_BxSxKxHd, allowed_BxTxS,
+               write_index, adapters: bool):
+    """Writes this block's keys/values at `write_index` (None: no cache) and attends."""
+    cfg = self.cfg
+    b, t, _ = x_BxTxD.shape
+    q = self.q(x_BxTxD, adapters).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = self.k(x_BxTxD, adapters).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = self.v(x_BxTxD, adapters).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = rope(q, positions_BxT, cfg.rope_theta)
+    k = rope(k, positions_BxT, cfg.rope_theta)
+    if write_index is None:
+      keys, values = k, v
+    else:
+      keys = jax.lax.dynamic_update_slice(k_BxSxKxHd, k.astype(k_BxSxKxHd.dtype), (0, write_index, 0, 0))
+      values = jax.lax.dynamic_update_slice(v_BxSxKxHd, v.astype(v_BxSxKxHd.dtype), (0, write_index, 0, 0))
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype),
+                        preferred_element_type=jnp.float32) / jnp.sqrt(cfg.head_dim).astype(jnp.float32)
+    scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
+    out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+    return self.o(out, adapters), keys, values
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate = _linear(cfg, lora, "gate", d, f, False, rngs)
+    self.up = _linear(cfg, lora, "up", d, f, False, rngs)
+    self.down = _linear(cfg, lora, "down", f, d, False, rngs)
+
+  def __call__(self, x_BxTxD, adapters: bool):
+    return self.down(jax.nn.silu(self.gate(x_BxTxD, adapters)) * self.up(x_BxTxD, adapters), adapters)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
+    pdt = as_dtype(cfg.param_dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+    self.attn = Attention(cfg, lora, rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+    self.mlp = MLP(cfg, lora, rngs)
+
+  def __call__(self, x, positions, k, v, allowed, write_index, adapters: bool):
+    dtype = x.dtype
+    h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, k, v, allowed,
+                        write_index, adapters)
+    x = x + h.astype(dtype)
+    x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters).astype(dtype)
+    return x, k, v
+
+
+class Qwen2(nnx.Module):
+  """Qwen2 causal LM. `__call__` returns final-norm hidden states; `logits` applies the head."""
+
+  def __init__(self, cfg: ModelConfig, *, lora: LoraConfig | None = None, rngs: nnx.Rngs):
+    pdt = as_dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.lora = lora
+    self.embed = nnx.Param(jax.nn.initializers.normal(0.02)(
+        rngs.params(), (cfg.vocab_size, cfg.hidden_size), pdt))
+    self.layers = nnx.List([Block(cfg, lora, rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
+    if cfg.tie_word_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = nnx.Param(jax.nn.initializers.normal(0.02)(
+          rngs.params(), (cfg.hidden_size, cfg.vocab_size), pdt))
+
+  def head_DxV(self) -> jax.Array:
+    """The output projection, [hidden, vocab], in the compute dtype."""
+    w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    return w.astype(as_dtype(self.cfg.dtype))
+
+  def logits(self, hidden_BxTxD) -> jax.Array:
+    """Full float32 logits (for small vocabularies and tests; the losses chunk instead)."""
+    return jnp.einsum("btd,dv->btv", hidden_BxTxD, self.head_DxV(),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: Cache | None = None, *,
+               adapters: bool = True):
+    """Runs the decoder over `tokens_BxT`.
+
+    Without a cache: causal attention within the batch, keys restricted to
+    `mask_BxT`. With a cache: the tokens are written to slots
+    `[index, index + T)`, marked valid where `mask_BxT`, and attend causally to
+    every valid slot. Returns `(hidden_BxTxD, cache)` (the cache updated, or None).
+    """
+    cfg = self.cfg
+    dtype = as_dtype(cfg.dtype)
+    b, t = tokens_BxT.shape
+    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dtype)
+    mask_BxT = mask_BxT.astype(bool)
+    if cache is None:
+      causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+      allowed = causal_TxT[None] & mask_BxT[:, None, :]
+      write_index, valid = None, None
+    else:
+      write_index = cache["index"]
+      slots = cache["valid"].shape[1]
+      valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
+      slot_S = jnp.arange(slots)
+      query_slot_T = write_index + jnp.arange(t)
+      allowed = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid[:, None, :]
+
+    block_fn = Block.__call__
+    if cfg.remat:
+      block_fn = nnx.remat(block_fn, static_argnums=(7,))
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      ck = cache["k"][i] if cache is not None else None
+      cv = cache["v"][i] if cache is not None else None
+      x, k, v = block_fn(layer, x, positions_BxT, ck, cv, allowed, write_index, adapters)
+      new_k.append(k)
+      new_v.append(v)
+    hidden = self.final_norm(x).astype(dtype)
+    if cache is None:
+      return hidden, None
+    return hidden, {"k": new_k, "v": new_v, "valid": valid, "index": write_index + t}
