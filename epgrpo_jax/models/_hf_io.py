@@ -1,0 +1,225 @@
+"""Hugging Face checkpoint directories <-> the NNX Qwen2 model, without torch.
+
+One table maps HF tensor names to NNX parameter paths. Loading reads one tensor
+at a time from (possibly sharded) safetensors and places it straight into its
+target sharding; saving folds LoRA adapters into the base weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
+from epgrpo_jax.models._lora import Linear
+from epgrpo_jax.models._qwen2 import Qwen2
+
+# HF name (regex, full match) -> NNX path template; `T`: HF stores [out, in], we store [in, out].
+HF_TO_NNX: tuple[tuple[str, str, bool], ...] = (
+    (r"model\.embed_tokens\.weight", "embed", False),
+    (r"lm_head\.weight", "lm_head", True),
+    (r"model\.norm\.weight", "final_norm.weight", False),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.input_norm.weight", False),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.post_attn_norm.weight", False),
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", "layers.{0}.attn.{1}.kernel", True),
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.bias", "layers.{0}.attn.{1}.bias", False),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}.kernel", True),
+)
+# Tensors some exporters add that carry nothing we need.
+_IGNORED = (r".*rotary_emb\.inv_freq",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def hf_to_nnx(name: str) -> tuple[str, bool] | None:
+  """The NNX path of an HF tensor name and whether it is transposed; None if unknown."""
+  for pattern, template, transpose in HF_TO_NNX:
+    m = re.fullmatch(pattern, name)
+    if m:
+      return template.format(*m.groups()), transpose
+  return None
+
+
+def nnx_to_hf(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+  """Every HF tensor name this config has -> (NNX path, transposed)."""
+  names = ["model.embed_tokens.weight", "model.norm.weight"]
+  if not cfg.tie_word_embeddings:
+    names.append("lm_head.weight")
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+    names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+  return {n: hf_to_nnx(n) for n in names}
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+  """HF tensor name -> the safetensors file holding it."""
+  index = directory / "model.safetensors.index.json"
+  single = directory / "model.safetensors"
+  if index.exists():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+      raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+    return {name: directory / fname for name, fname in weight_map.items()}
+  if single.exists():
+    try:
+      with safe_open(single, "numpy") as f:
+        return {name: single for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types
+      raise ValueError(f"{single}: unreadable safetensors file ({e})") from None
+  raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_config(directory: str | Path, **overrides) -> ModelConfig:
+  path = Path(directory) / "config.json"
+  if not path.exists():
+    raise FileNotFoundError(f"{path}: missing (not a Hugging Face model directory)")
+  try:
+    hf = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: invalid JSON ({e})") from None
+  try:
+    return ModelConfig.from_hf(hf, **overrides)
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
+
+
+def from_pretrained(directory: str | Path, *, dtype: str | None = None,
+                    param_dtype: str | None = None, lora: LoraConfig | None = None,
+                    mesh: jax.sharding.Mesh | None = None, seed: int = 0) -> Qwen2:
+  """Loads a Qwen2 HF directory (config.json + safetensors) into the NNX model.
+
+  `dtype` is the compute dtype, `param_dtype` the base-weight dtype (default:
+  float32). LoRA adapters, when requested, are freshly initialised (B = 0).
+  With a mesh, each tensor goes straight to its sharding from `epgrpo_jax.sharding`.
+  """
+  from epgrpo_jax import sharding  # layered above models; imported lazily
+
+  directory = Path(directory)
+  overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
+  cfg = load_config(directory, **overrides)
+  files = _tensor_files(directory)
+  model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(seed)))
+  expected = nnx_to_hf(cfg)
+  missing = [n for n in expected if n not in files]
+  if missing:
+    raise ValueError(f"{directory}: tensor {missing[0]!r} missing from the checkpoint"
+                     + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+  unknown = [n for n in files if n not in expected and not any(re.fullmatch(p, n) for p in _IGNORED)
+             and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+  if unknown:
+    raise ValueError(f"{files[unknown[0]]}: unexpected tensor {unknown[0]!r} for this config")
+
+  flat = dict(nnx.to_flat_state(nnx.state(model)))
+  by_path = {".".join(map(str, k)): (k, v) for k, v in flat.items()}
+  pdt = as_dtype(cfg.param_dtype)
+  handles: dict[Path, object] = {}
+  try:
+    for name, (path, transpose) in expected.items():
+      fname = files[name]
+      if fname not in handles:
+        if not fname.exists():
+          raise FileNotFoundError(f"{fname}: missing (listed in the safetensors index)")
+        try:
+          handles[fname] = safe_open(fname, "numpy").__enter__()
+        except Exception as e:
+          raise ValueError(f"{fname}: unreadable safetensors file ({e})") from None
+      try:
+        array = handles[fname].get_tensor(name)
+      except Exception as e:
+        raise ValueError(f"{fname}: cannot read tensor {name!r} ({e})") from None
+      array = array.T if transpose else array
+      _, var = by_path[path]
+      if tuple(array.shape) != tuple(var.shape):
+        raise ValueError(f"{fname}: tensor {name!r} has shape {tuple(array.shape)}, "
+                         f"config.json implies {tuple(var.shape)}")
+      var.set_value(_place(np.asarray(array).astype(pdt), path, mesh, sharding))
+  finally:
+    for h in handles.values():
+      h.__exit__(None, None, None)
+
+  key = jax.random.key(seed)
+  for path, (_, var) in sorted(by_path.items()):
+    if path.endswith((".lora_a", ".lora_b")):
+      key, sub = jax.random.split(key)
+      init = (jax.nn.initializers.he_uniform()(sub, var.shape, jnp.float32)
+              if path.endswith("lora_a") else jnp.zeros(var.shape, jnp.float32))
+      var.set_value(_place(init, path, mesh, sharding))
+  return model
+
+
+def _place(array, path: str, mesh, sharding_mod):
+  if mesh is None:
+    return jnp.asarray(array)
+  return jax.device_put(array, sharding_mod.param_sharding(path, array.shape, mesh))
+
+
+def hf_state_dict(model: Qwen2, dtype: str = "float32") -> dict[str, np.ndarray]:
+  """HF-named numpy tensors with LoRA merged into the base weights."""
+  out_dtype = np.dtype(as_dtype(dtype))
+  flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(model))}
+  linears = {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, Linear):
+      linears[".".join(map(str, path)) + ".kernel"] = node
+  tensors = {}
+  for name, (path, transpose) in nnx_to_hf(model.cfg).items():
+    array = linears[path].merged_kernel() if path in linears else flat[path][...]
+    array = np.asarray(jax.device_get(array)).astype(out_dtype)
+    tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+  return tensors
+
+
+def save_pretrained(model: Qwen2, directory: str | Path, *, tokenizer_dir: str | Path | None = None,
+                    tokenizer=None, dtype: str = "float32", max_shard_bytes: int | None = None) -> Path:
+  """Writes an HF directory transformers and vLLM load: config.json, safetensors, tokenizer.
+
+  Tokenizer files are copied from `tokenizer_dir`, or written by a transformers
+  `tokenizer` object. `max_shard_bytes` splits the weights into several files
+  with a `model.safetensors.index.json`.
+  """
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  tensors = hf_state_dict(model, dtype)
+  config = model.cfg.to_hf() | {"torch_dtype": dtype}
+  (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+  if max_shard_bytes is None:
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+  else:
+    shards, current, size = [], {}, 0
+    for name, array in tensors.items():
+      if current and size + array.nbytes > max_shard_bytes:
+        shards.append(current)
+        current, size = {}, 0
+      current[name] = array
+      size += array.nbytes
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+      fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      save_file(shard, directory / fname, metadata={"format": "pt"})
+      weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+  if tokenizer_dir is not None:
+    for fname in TOKENIZER_FILES:
+      src = Path(tokenizer_dir) / fname
+      if src.exists() and src.resolve() != (directory / fname).resolve():
+        shutil.copyfile(src, directory / fname)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(directory)
+  return directory

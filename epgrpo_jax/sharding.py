@@ -1,0 +1,182 @@
+"""Device mesh and partition rules: every array the project holds, declared here.
+
+Parameters are named by their NNX path (e.g. `layers.3.attn.q.kernel`); a table
+of path patterns gives each one logical axes, and `LOGICAL_RULES` maps logical
+axes onto the mesh axes `data`, `fsdp`, `tensor`. A dimension that the mesh
+axis does not divide is replicated instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes.
+LOGICAL_RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "rank": None,
+    "norm": None,
+    "slots": None,
+    "head_dim": None,
+    "seq": None,
+}
+
+# NNX parameter path (regex, full match) -> logical axes of the array.
+PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed", ("vocab", "embed")),
+    (r"lm_head", ("embed", "vocab")),
+    (r".*norm\.weight", ("norm",)),
+    (r".*attn\.(q|k|v)\.kernel", ("embed", "heads")),
+    (r".*attn\.(q|k|v)\.bias", ("heads",)),
+    (r".*attn\.o\.kernel", ("heads", "embed")),
+    (r".*mlp\.(gate|up)\.kernel", ("embed", "mlp")),
+    (r".*mlp\.down\.kernel", ("mlp", "embed")),
+    (r".*attn\.(q|k|v)\.lora_a", ("embed", "rank")),
+    (r".*attn\.(q|k|v)\.lora_b", ("rank", "heads")),
+    (r".*attn\.o\.lora_a", ("heads", "rank")),
+    (r".*attn\.o\.lora_b", ("rank", "embed")),
+    (r".*mlp\.(gate|up)\.lora_a", ("embed", "rank")),
+    (r".*mlp\.(gate|up)\.lora_b", ("rank", "mlp")),
+    (r".*mlp\.down\.lora_a", ("mlp", "rank")),
+    (r".*mlp\.down\.lora_b", ("rank", "embed")),
+)
+
+# Cache leaves: k/v are [B, S, K, Hd].
+CACHE_AXES = {"kv": ("batch", "slots", "kv_heads", "head_dim"), "valid": ("batch", "slots")}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes; one of them may be -1 (all remaining devices)."""
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = (self.data, self.fsdp, self.tensor)
+    for name, size in zip(MESH_AXES, sizes):
+      if size == 0 or size < -1:
+        raise ValueError(f"mesh.{name}: must be a positive size or -1, got {size}")
+    if sizes.count(-1) > 1:
+      raise ValueError("mesh: at most one axis may be -1")
+
+  def shape(self, num_devices: int) -> tuple[int, int, int]:
+    sizes = [self.data, self.fsdp, self.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if num_devices % known:
+        raise ValueError(f"mesh: fixed axes ({known} devices) do not divide the "
+                         f"{num_devices} devices")
+      sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+      raise ValueError(f"mesh: data*fsdp*tensor = {math.prod(sizes)} but there are "
+                       f"{num_devices} devices")
+    return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig | None = None, devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over all devices of all processes."""
+  cfg = cfg or MeshConfig()
+  devices = jax.devices() if devices is None else devices
+  shape = cfg.shape(len(devices))
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+  """PartitionSpec for logical `axes`, replicating dimensions the mesh does not divide."""
+  out = []
+  for axis, dim in zip(axes, shape):
+    mesh_axes = LOGICAL_RULES.get(axis) if axis else None
+    if mesh_axes is None:
+      out.append(None)
+      continue
+    names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    names = tuple(n for n in names if mesh.shape[n] > 1)
+    size = math.prod(mesh.shape[n] for n in names)
+    if not names or dim % size:
+      out.append(None)
+    else:
+      out.append(names[0] if len(names) == 1 else names)
+  return P(*out)
+
+
+def param_axes(path: str) -> tuple[str | None, ...] | None:
+  for pattern, axes in PARAM_AXES:
+    if re.fullmatch(pattern, path):
+      return axes
+  return None
+
+
+def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+  """The sharding of the parameter at NNX path `path` (replicated when unknown)."""
+  axes = param_axes(path)
+  if axes is None or len(axes) != len(shape):
+    return NamedSharding(mesh, P())
+  return NamedSharding(mesh, spec_for(axes, shape, mesh))
+
+
+def path_str(path) -> str:
+  """'layers.0.attn.q.kernel' from an NNX/pytree key path."""
+  parts = []
+  for k in path:
+    k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+    parts.append(str(k))
+  return ".".join(p for p in parts if p != "value")
+
+
+def state_shardings(state, mesh: Mesh):
+  """A pytree of NamedShardings matching an NNX state (parameters or optimizer state).
+
+  Optimizer moments mirror their parameter's path as a suffix, so they are
+  matched by the longest parameter-pattern suffix of their path.
+  """
+  def one(path, leaf):
+    shape = tuple(getattr(leaf, "shape", ()))
+    name = path_str(path)
+    parts = name.split(".")
+    for i in range(len(parts)):
+      axes = param_axes(".".join(parts[i:]))
+      if axes is not None and len(axes) == len(shape):
+        return NamedSharding(mesh, spec_for(axes, shape, mesh))
+    return NamedSharding(mesh, P())
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Leading axis over data x fsdp, the rest replicated."""
+  return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def cache_shardings(cache, mesh: Mesh):
+  """Shardings for a KV cache pytree from `models.init_cache`."""
+  def kv(x):
+    return NamedSharding(mesh, spec_for(CACHE_AXES["kv"], x.shape, mesh))
+  return {
+      "k": [kv(x) for x in cache["k"]],
+      "v": [kv(x) for x in cache["v"]],
+      "valid": NamedSharding(mesh, spec_for(CACHE_AXES["valid"], cache["valid"].shape, mesh)),
+      "index": NamedSharding(mesh, P()),
+  }
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local: np.ndarray, mesh: Mesh) -> jax.Array:
+  """Assembles a global array from each process's shard of the batch (leading axis)."""
+  return jax.make_array_from_process_local_data(batch_sharding(mesh, np.ndim(local)), local)
