@@ -5,3 +5,5 @@ from epgrpo_jax.models._lora import BASE, LORA, Linear, lora_layers, merge_lora,
 from epgrpo_jax.models._qwen2 import Cache, Qwen2, init_cache, rope
 from epgrpo_jax.models._hf_io import (HF_TO_NNX, TOKENIZER_FILES, from_pretrained, hf_state_dict,
                                       load_config, save_pretrained)
+from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, encode_prompts, load_tokenizer,
+                                          render_prompt, stop_token_ids)

@@ -12,6 +12,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 
 
 def as_dtype(name: str):
+  """The jnp dtype for 'float32', 'bfloat16' or 'float16'."""
   if name not in _DTYPES:
     raise ValueError(f"dtype: unsupported {name!r}; use one of {sorted(_DTYPES)}")
   return _DTYPES[name]
@@ -76,6 +77,15 @@ class ModelConfig:
       raise ValueError("use_sliding_window: sliding-window attention is not supported")
     if hf.get("rope_scaling"):
       raise ValueError("rope_scaling: scaled rotary embeddings are not supported")
+    rope_params = hf.get("rope_parameters") or {}  # transformers >= 5 layout
+    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+    if rope_type != "default":
+      raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported (only 'default')")
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+      raise ValueError(f"hidden_act: unsupported {act!r} (only 'silu')")
+    # transformers' Qwen2Config default is 10000 when neither key is present.
+    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     try:
       kw = dict(
           vocab_size=hf["vocab_size"],
@@ -85,7 +95,7 @@ class ModelConfig:
           num_heads=hf["num_attention_heads"],
           num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
           head_dim=hf.get("head_dim") or 0,
-          rope_theta=float(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 1e6))),
+          rope_theta=float(theta),
           rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
           tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
           max_position_embeddings=hf.get("max_position_embeddings", 32768),
@@ -124,7 +134,9 @@ class ModelConfig:
         "sliding_window": None,
         "max_window_layers": self.num_layers,
         "rope_scaling": None,
-        "torch_dtype": self.param_dtype,
+        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+        "torch_dtype": self.param_dtype,  # older transformers and vLLM
+        "dtype": self.param_dtype,  # transformers >= 5
     }
 
 
@@ -154,6 +166,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
+  """A named config (`PRESETS`), with fields overridden (e.g. `num_layers=2`)."""
   if name not in PRESETS:
     raise ValueError(f"model.preset: unknown {name!r}; known: {', '.join(sorted(PRESETS))}")
   return PRESETS[name].replace(**overrides)

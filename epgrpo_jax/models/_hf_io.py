@@ -151,13 +151,18 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
     for h in handles.values():
       h.__exit__(None, None, None)
 
-  key = jax.random.key(seed)
+  # Fresh adapters: A kaiming-uniform (as `Linear` and PEFT), B = 0. Drawn on the host with
+  # numpy: the arrays are small, and per-shape jax RNG kernels would each need a compile.
+  rng = np.random.default_rng(seed)
   for path, (_, var) in sorted(by_path.items()):
-    if path.endswith((".lora_a", ".lora_b")):
-      key, sub = jax.random.split(key)
-      init = (jax.nn.initializers.he_uniform()(sub, var.shape, jnp.float32)
-              if path.endswith("lora_a") else jnp.zeros(var.shape, jnp.float32))
-      var.set_value(_place(init, path, mesh, sharding))
+    if path.endswith(".lora_a"):
+      bound = np.sqrt(6.0 / var.shape[0])
+      init = rng.uniform(-bound, bound, var.shape).astype(np.float32)
+    elif path.endswith(".lora_b"):
+      init = np.zeros(var.shape, np.float32)
+    else:
+      continue
+    var.set_value(_place(init, path, mesh, sharding))
   return model
 
 
@@ -165,6 +170,22 @@ def _place(array, path: str, mesh, sharding_mod):
   if mesh is None:
     return jnp.asarray(array)
   return jax.device_put(array, sharding_mod.param_sharding(path, array.shape, mesh))
+
+
+def _to_host(array) -> np.ndarray:
+  """The full value of a (possibly multi-process sharded) array as numpy."""
+  if isinstance(array, jax.Array) and not array.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+  return np.asarray(jax.device_get(array))
+
+
+def _remove_weight_files(directory: Path) -> None:
+  """Deletes earlier weights, so a stale index or single file cannot shadow the new ones."""
+  for path in [directory / "model.safetensors", directory / "model.safetensors.index.json",
+               *directory.glob("model-*-of-*.safetensors")]:
+    if path.is_file():
+      path.unlink()
 
 
 def hf_state_dict(model: Qwen2, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -178,7 +199,7 @@ def hf_state_dict(model: Qwen2, dtype: str = "float32") -> dict[str, np.ndarray]
   tensors = {}
   for name, (path, transpose) in nnx_to_hf(model.cfg).items():
     array = linears[path].merged_kernel() if path in linears else flat[path][...]
-    array = np.asarray(jax.device_get(array)).astype(out_dtype)
+    array = _to_host(array).astype(out_dtype)
     tensors[name] = np.ascontiguousarray(array.T if transpose else array)
   return tensors
 
@@ -187,14 +208,20 @@ def save_pretrained(model: Qwen2, directory: str | Path, *, tokenizer_dir: str |
                     tokenizer=None, dtype: str = "float32", max_shard_bytes: int | None = None) -> Path:
   """Writes an HF directory transformers and vLLM load: config.json, safetensors, tokenizer.
 
-  Tokenizer files are copied from `tokenizer_dir`, or written by a transformers
-  `tokenizer` object. `max_shard_bytes` splits the weights into several files
-  with a `model.safetensors.index.json`.
+  LoRA adapters are merged into the base weights (the written model is the
+  policy with adapters on). Tokenizer files are copied from `tokenizer_dir`, or
+  written by a transformers `tokenizer` object. `max_shard_bytes` splits the
+  weights into several files with a `model.safetensors.index.json`. Weight files
+  already in `directory` are replaced. With several processes, all must call
+  this (the weights are gathered) and process 0 writes.
   """
   directory = Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
   tensors = hf_state_dict(model, dtype)
-  config = model.cfg.to_hf() | {"torch_dtype": dtype}
+  if jax.process_index() != 0:
+    return directory
+  directory.mkdir(parents=True, exist_ok=True)
+  _remove_weight_files(directory)
+  config = model.cfg.to_hf() | {"torch_dtype": dtype, "dtype": dtype}
   (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   if max_shard_bytes is None:
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})

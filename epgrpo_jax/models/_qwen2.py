@@ -180,6 +180,10 @@ class Qwen2(nnx.Module):
     else:
       write_index = cache["index"]
       slots = cache["valid"].shape[1]
+      if not isinstance(write_index, jax.core.Tracer) and int(write_index) + t > slots:
+        # Under jit this cannot be checked; dynamic_update_slice would clamp silently.
+        raise ValueError(f"cache: writing {t} tokens at slot {int(write_index)} overflows "
+                         f"its {slots} slots")
       valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
       slot_S = jnp.arange(slots)
       query_slot_T = write_index + jnp.arange(t)

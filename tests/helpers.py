@@ -1,0 +1,93 @@
+"""Shared test helpers: tiny random Qwen2 models and HF directories written with our code."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from epgrpo_jax.models import LoraConfig, ModelConfig, Qwen2, preset, save_pretrained
+from epgrpo_jax.models._hf_io import TOKENIZER_FILES
+
+# The real Qwen2.5 tokenizer (see tests/conftest.py); its ids need the real vocabulary size.
+QWEN_VOCAB_ROWS = 151_936
+QWEN_BOS, QWEN_EOS = 151_643, 151_645
+
+
+def qwen_tokenizer_dir() -> Path:
+  """`QWEN_TOKENIZER_DIR` of tests/conftest.py."""
+  try:
+    from conftest import QWEN_TOKENIZER_DIR  # pytest puts tests/ on sys.path
+  except ImportError:
+    from tests.conftest import QWEN_TOKENIZER_DIR
+  return QWEN_TOKENIZER_DIR
+
+
+def tiny_config(**overrides) -> ModelConfig:
+  """The `test-tiny` preset with fields overridden."""
+  return preset("test-tiny", **overrides)
+
+
+def randomize(model: Qwen2, seed: int = 0, std: float = 0.2, lora_std: float = 0.2) -> Qwen2:
+  """Fills every parameter with random numpy values in place (biases, norms, LoRA included).
+
+  Norm weights become 1 + noise. With `lora_std=0` the adapters get their
+  usual initialisation instead (A uniform in +-sqrt(6 / fan_in), B = 0).
+  Works on an abstract model from `nnx.eval_shape` too.
+  """
+  rng = np.random.default_rng(seed)
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name = ".".join(map(str, path))
+    dtype = var.get_value().dtype
+    if name.endswith(".lora_b") and not lora_std:
+      value = np.zeros(var.shape)
+    elif name.endswith(".lora_a") and not lora_std:
+      bound = np.sqrt(6.0 / var.shape[0])
+      value = rng.uniform(-bound, bound, var.shape)
+    else:
+      base = 1.0 if name.endswith("norm.weight") else 0.0
+      scale = lora_std if name.endswith((".lora_a", ".lora_b")) else std
+      value = base + scale * rng.standard_normal(var.shape)
+    var.set_value(jnp.asarray(value, dtype))
+  return model
+
+
+def random_model(cfg: ModelConfig | None = None, *, lora: LoraConfig | None = None,
+                 seed: int = 0, lora_std: float = 0.2) -> Qwen2:
+  """A Qwen2 with every parameter random (default config: `test-tiny`), built without jax RNG."""
+  cfg = cfg or tiny_config()
+  model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(seed)))
+  return randomize(model, seed, lora_std=lora_std)
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+  """Copies the tokenizer files present in `src` into `dst`."""
+  for fname in TOKENIZER_FILES:
+    if (Path(src) / fname).exists():
+      shutil.copyfile(Path(src) / fname, Path(dst) / fname)
+
+
+def tiny_hf_dir(tmp_path: str | Path, *, name: str = "tiny-qwen2", seed: int = 0,
+                tokenizer: bool | str | Path = False, lora: LoraConfig | None = None,
+                max_shard_bytes: int | None = None, **cfg) -> Path:
+  """Writes a random tiny Qwen2 HF directory with our `save_pretrained`; returns its path.
+
+  `cfg` overrides the `test-tiny` preset. `tokenizer=True` copies the real
+  Qwen2.5 tokenizer files (a path: from there) and, unless given, sets the
+  real vocabulary size and Qwen bos/eos ids. With `lora`, random adapters are
+  merged into the written weights.
+  """
+  if tokenizer:
+    cfg.setdefault("vocab_size", QWEN_VOCAB_ROWS)
+    cfg.setdefault("bos_token_id", QWEN_BOS)
+    cfg.setdefault("eos_token_id", QWEN_EOS)
+  model = random_model(tiny_config(**cfg), lora=lora, seed=seed)
+  directory = Path(tmp_path) / name
+  tok_dir = None
+  if tokenizer:
+    tok_dir = qwen_tokenizer_dir() if tokenizer is True else Path(tokenizer)
+  save_pretrained(model, directory, tokenizer_dir=tok_dir, max_shard_bytes=max_shard_bytes)
+  return directory

@@ -1,0 +1,573 @@
+"""The Qwen2 port: parity with transformers, KV cache, LoRA, checkpoint I/O, mesh, tokenizer.
+
+All comparisons are float32 unless stated; transformers runs on torch CPU with
+eager attention and explicit position ids (cumsum(mask) - 1).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file, save_file
+
+from conftest import QWEN_TOKENIZER_DIR
+from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
+                               from_pretrained, hf_state_dict, init_cache, load_config,
+                               load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
+                               save_pretrained, stop_token_ids, unmerge_lora)
+from epgrpo_jax.sharding import MeshConfig, make_mesh, param_sharding
+from helpers import random_model, tiny_config, tiny_hf_dir
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4
+LOGPROB_ATOL = 1e-5
+CACHE_ATOL = 1e-5
+
+# Tiny configs covering GQA/MHA, tied/untied heads, odd head counts and explicit head_dim.
+PARITY_CONFIGS = {
+    "gqa-untied": dict(),  # test-tiny: hidden 32, 4 heads, 2 kv heads, head_dim 8
+    "mha-tied": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    "h5-kv1-hd6-tied": dict(hidden_size=20, num_heads=5, num_kv_heads=1, head_dim=6,
+                            tie_word_embeddings=True),
+    "h3-mha-hd10-untied": dict(hidden_size=24, num_heads=3, num_kv_heads=3, head_dim=10,
+                               rope_theta=1e6, rms_norm_eps=1e-5, num_layers=3),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def padded_batch(vocab: int, pads: list[int], length: int, side: str, seed: int = 0):
+  """Random tokens [B, T] with `pads[b]` padding tokens on `side`; mask and positions."""
+  rng = np.random.default_rng(seed)
+  tokens_BxT = rng.integers(2, vocab, (len(pads), length)).astype(np.int32)
+  mask_BxT = np.ones((len(pads), length), bool)
+  for b, n in enumerate(pads):
+    if side == "left":
+      mask_BxT[b, :n] = False
+    else:
+      mask_BxT[b, length - n:] = False
+  tokens_BxT = np.where(mask_BxT, tokens_BxT, 0)
+  positions_BxT = np.maximum(np.cumsum(mask_BxT, axis=1) - 1, 0).astype(np.int32)
+  return tokens_BxT, mask_BxT, positions_BxT
+
+
+@nnx.jit(static_argnames="adapters")
+def _logits(model: Qwen2, tokens_BxT, positions_BxT, mask_BxT, adapters: bool = True):
+  return model.logits(model(tokens_BxT, positions_BxT, mask_BxT, adapters=adapters)[0])
+
+
+def ours(model: Qwen2, tokens, mask, positions, adapters: bool = True) -> np.ndarray:
+  """Our float32 logits (jitted: one compile per config and shape, cached across tests)."""
+  return np.asarray(_logits(model, jnp.asarray(tokens), jnp.asarray(positions),
+                            jnp.asarray(mask), adapters=adapters))
+
+
+def hf_model(directory: Path):
+  model = transformers.Qwen2ForCausalLM.from_pretrained(
+      str(directory), dtype=torch.float32, attn_implementation="eager")
+  return model.eval()
+
+
+def hf(model, tokens, mask, positions) -> np.ndarray:
+  with torch.no_grad():
+    out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
+                attention_mask=torch.as_tensor(mask, dtype=torch.long),
+                position_ids=torch.as_tensor(positions, dtype=torch.long))
+  return out.logits.float().numpy()
+
+
+def token_logprobs(logits_BxTxV: np.ndarray, tokens, mask, backend: str) -> np.ndarray:
+  """log p(tokens[t + 1] | ...) from each side's own float32 log-softmax, at real pairs."""
+  nxt = tokens[:, 1:]
+  if backend == "jax":
+    lp = jax.nn.log_softmax(jnp.asarray(logits_BxTxV[:, :-1]), axis=-1)
+    lp = np.asarray(jnp.take_along_axis(lp, jnp.asarray(nxt)[..., None], -1)[..., 0])
+  else:
+    lp = torch.log_softmax(torch.as_tensor(logits_BxTxV[:, :-1]), dim=-1)
+    lp = torch.gather(lp, -1, torch.as_tensor(nxt, dtype=torch.long)[..., None])[..., 0].numpy()
+  return lp[mask[:, :-1] & mask[:, 1:]]
+
+
+def assert_parity(ours_model: Qwen2, torch_model, vocab: int, label: str) -> dict[str, float]:
+  """Left- and right-padded batches: logits within 1e-4, log-probs within 1e-5 (real tokens)."""
+  diffs = {}
+  for side, pads in (("left", [0, 3, 7]), ("right", [0, 2, 5])):
+    tokens, mask, positions = padded_batch(vocab, pads, 11, side, seed=len(label))
+    lj = ours(ours_model, tokens, mask, positions)
+    lt = hf(torch_model, tokens, mask, positions)
+    chex.assert_trees_all_close(lj[mask], lt[mask], atol=LOGIT_ATOL, rtol=0)
+    lpj = token_logprobs(lj, tokens, mask, "jax")
+    lpt = token_logprobs(lt, tokens, mask, "torch")
+    chex.assert_trees_all_close(lpj, lpt, atol=LOGPROB_ATOL, rtol=0)
+    diffs[f"{side}/logits"] = float(np.abs(lj[mask] - lt[mask]).max())
+    diffs[f"{side}/logprobs"] = float(np.abs(lpj - lpt).max())
+  print(f"\n{label}: max abs diffs {diffs}")
+  return diffs
+
+
+def flat_params(model: Qwen2, filt=nnx.Param) -> dict[str, np.ndarray]:
+  return {".".join(map(str, k)): np.asarray(v.get_value())
+          for k, v in nnx.to_flat_state(nnx.state(model, filt))}
+
+
+def randomize_lora(model: Qwen2, seed: int = 1, std: float = 0.2) -> None:
+  rng = np.random.default_rng(seed)
+  for _, var in nnx.to_flat_state(nnx.state(model, LORA)):
+    var.set_value(jnp.asarray(std * rng.standard_normal(var.shape), jnp.float32))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return load_tokenizer(QWEN_TOKENIZER_DIR)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+  """One random test-tiny checkpoint shared by the tests that only read it."""
+  return tiny_hf_dir(tmp_path_factory.mktemp("base"), seed=3)
+
+
+# ----------------------------------------------------------------------------- parity
+
+@pytest.mark.parametrize("name", list(PARITY_CONFIGS))
+def test_parity_ours_saved_hf_loads(name, tmp_path):
+  model = random_model(tiny_config(**PARITY_CONFIGS[name]), seed=11)
+  directory = save_pretrained(model, tmp_path / name)
+  assert_parity(model, hf_model(directory), model.cfg.vocab_size, f"ours->hf {name}")
+  # Our loader reads our writer back bit for bit.
+  chex.assert_trees_all_equal(flat_params(from_pretrained(directory)), flat_params(model))
+
+
+@pytest.mark.parametrize("name", list(PARITY_CONFIGS))
+def test_parity_hf_saved_ours_loads(name, tmp_path):
+  cfg = tiny_config(**PARITY_CONFIGS[name])
+  torch.manual_seed(5)
+  hf_cfg = transformers.Qwen2Config(**cfg.to_hf())
+  torch_model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+  with torch.no_grad():  # every tensor random, biases and norms included
+    for pname, p in torch_model.named_parameters():
+      p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
+  torch_model.save_pretrained(tmp_path / name)  # safetensors
+  assert (tmp_path / name / "model.safetensors").exists()
+  model = from_pretrained(tmp_path / name)
+  assert model.cfg == cfg
+  assert_parity(model, torch_model, cfg.vocab_size, f"hf->ours {name}")
+
+
+def test_config_round_trip_and_rejections():
+  cfg = tiny_config(head_dim=12, rope_theta=5e5, tie_word_embeddings=True, eos_token_id=(1, 2))
+  assert type(cfg).from_hf(cfg.to_hf()) == cfg
+  hf_cfg = transformers.Qwen2Config(**cfg.to_hf())
+  assert hf_cfg.head_dim == 12 and hf_cfg.rope_parameters["rope_theta"] == 5e5
+  for bad, match in (({"model_type": "llama"}, "model_type"),
+                     ({"use_sliding_window": True}, "sliding"),
+                     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+                     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
+                     ({"hidden_act": "gelu"}, "hidden_act")):
+    with pytest.raises(ValueError, match=match):
+      type(cfg).from_hf(cfg.to_hf() | bad)
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+def test_cached_prefill_and_decode_match_full_forward():
+  model = random_model(tiny_config(), seed=2)
+  prompt, new = 6, 5
+  tokens, mask, positions = padded_batch(97, [0, 2, 5], prompt + new, "left", seed=4)
+  full = ours(model, tokens, mask, positions)
+
+  @nnx.jit
+  def step(model, tokens_BxT, positions_BxT, mask_BxT, cache):
+    hidden, cache = model(tokens_BxT, positions_BxT, mask_BxT, cache)
+    return model.logits(hidden), cache
+
+  cache = init_cache(model.cfg, batch=3, slots=prompt + new)
+  prefill, cache = step(model, jnp.asarray(tokens[:, :prompt]), jnp.asarray(positions[:, :prompt]),
+                        jnp.asarray(mask[:, :prompt]), cache)
+  pm = mask[:, :prompt]
+  chex.assert_trees_all_close(np.asarray(prefill)[pm], full[:, :prompt][pm], atol=CACHE_ATOL,
+                              rtol=0)
+  worst = 0.0
+  for i in range(prompt, prompt + new):
+    logits_Bx1xV, cache = step(model, jnp.asarray(tokens[:, i:i + 1]),
+                               jnp.asarray(positions[:, i:i + 1]), jnp.ones((3, 1), bool), cache)
+    logits_BxV = logits_Bx1xV[:, 0]
+    chex.assert_trees_all_close(np.asarray(logits_BxV), full[:, i], atol=CACHE_ATOL, rtol=0)
+    worst = max(worst, float(np.abs(np.asarray(logits_BxV) - full[:, i]).max()))
+  assert int(cache["index"]) == prompt + new
+  print(f"\ncache vs full forward: max abs diff {worst:.2e}")
+  with pytest.raises(ValueError, match="overflows"):
+    model(jnp.asarray(tokens[:, :1]), jnp.asarray(positions[:, :1]), jnp.asarray(mask[:, :1]),
+          cache)
+
+
+def test_left_padded_rows_equal_unpadded():
+  model = random_model(tiny_config(), seed=6)
+  pads = [0, 3, 6]
+  tokens, mask, positions = padded_batch(97, pads, 11, "left", seed=8)
+  batch = ours(model, tokens, mask, positions)
+  # The same rows with the real tokens first: causal attention never sees the trailing pads,
+  # so each row's real tokens are computed as if unpadded (and the shape is shared, no compile).
+  rows = np.zeros_like(tokens)
+  for b, n in enumerate(pads):
+    rows[b, :11 - n] = tokens[b, n:]
+  unpadded = ours(model, rows, np.ones_like(mask), np.broadcast_to(np.arange(11), mask.shape))
+  for b, n in enumerate(pads):
+    chex.assert_trees_all_close(batch[b, n:], unpadded[b, :11 - n], atol=1e-5, rtol=0)
+  # And one row truly alone, without any padding.
+  alone = ours(model, tokens[1:2, 3:], mask[1:2, 3:], positions[1:2, 3:])
+  chex.assert_trees_all_close(batch[1, 3:], alone[0], atol=1e-5, rtol=0)
+
+
+def test_bfloat16_compute_and_params_are_close(base_dir):
+  batch = padded_batch(97, [0, 4, 7], 11, "left", seed=9)
+  tokens, mask, positions = (jnp.asarray(a) for a in batch)
+  ref = ours(from_pretrained(base_dir), tokens, mask, positions)[mask]
+
+  @nnx.jit
+  def prefill(model, cache):
+    hidden, cache = model(tokens, positions, mask, cache)
+    return hidden, model.logits(hidden), cache
+
+  for param_dtype in ("float32", "bfloat16"):
+    model = from_pretrained(base_dir, dtype="bfloat16", param_dtype=param_dtype)
+    assert model.layers[0].attn.q.kernel.get_value().dtype == jnp.dtype(param_dtype)
+    cache = init_cache(model.cfg, 3, 11)
+    assert cache["k"][0].dtype == jnp.bfloat16
+    hidden, logits, cache = prefill(model, cache)
+    assert hidden.dtype == jnp.bfloat16 and cache["v"][1].dtype == jnp.bfloat16
+    got = np.asarray(logits)[np.asarray(mask)]
+    assert np.isfinite(got).all()
+    err = np.abs(got - ref).max()
+    print(f"\nbf16 compute, {param_dtype} params: max abs logit diff {err:.3f} "
+          f"(logit scale {np.abs(ref).max():.2f})")
+    assert err < 0.1 * np.abs(ref).max()
+
+
+def test_remat_gives_same_values_and_grads():
+  cfg = tiny_config(num_layers=1)
+  lora = LoraConfig(rank=2, alpha=4.0)
+  plain = random_model(cfg, lora=lora, seed=7)
+  remat = random_model(cfg.replace(remat=True), lora=lora, seed=7)
+  tokens, mask, positions = padded_batch(97, [0, 2], 6, "left", seed=1)
+
+  def loss(model):
+    hidden, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask))
+    return jnp.mean(model.logits(hidden) ** 2)
+
+  grad = nnx.jit(nnx.value_and_grad(loss, argnums=nnx.DiffState(0, LORA)))
+  (loss_r, grads_r), (loss_p, grads_p) = grad(remat), grad(plain)
+  chex.assert_trees_all_close(loss_r, loss_p, atol=1e-6)
+  chex.assert_trees_all_close(nnx.to_pure_dict(grads_r), nnx.to_pure_dict(grads_p), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+@pytest.mark.parametrize("lora", [LoraConfig(rank=4, alpha=8.0),
+                                  LoraConfig(rank=2, alpha=3.0, targets=("q", "v", "down"))],
+                         ids=["all-r4", "qvdown-r2"])
+def test_lora_merged_export_matches_hf(lora, base_dir, tmp_path):
+  model = from_pretrained(base_dir, lora=lora)
+  base = from_pretrained(base_dir)
+  assert {l.lora_a.shape[1] for l in lora_layers(model)} == {lora.rank}
+  assert len(list(lora_layers(model))) == len(lora.targets) * model.cfg.num_layers
+  tokens, mask, positions = padded_batch(97, [0, 3, 5], 11, "left", seed=12)
+  base_logits = ours(base, tokens, mask, positions)
+  # B = 0 at initialisation: adapters on is the base model.
+  chex.assert_trees_all_close(ours(model, tokens, mask, positions), base_logits, atol=1e-6)
+
+  randomize_lora(model)
+  with_adapters = ours(model, tokens, mask, positions)
+  assert np.abs(with_adapters - base_logits)[mask].max() > 0.1  # the adapters matter
+  # Adapters off is the base model, exactly (the reference policy), under jit as it runs.
+  np.testing.assert_array_equal(ours(model, tokens, mask, positions, adapters=False), base_logits)
+
+  directory = save_pretrained(model, tmp_path / "merged")
+  torch_logits = hf(hf_model(directory), tokens, mask, positions)
+  chex.assert_trees_all_close(with_adapters[mask], torch_logits[mask], atol=LOGIT_ATOL, rtol=0)
+  print(f"\nLoRA {lora.targets} merged export vs ours with adapters: max abs diff "
+        f"{np.abs(with_adapters - torch_logits)[mask].max():.2e}")
+  # The merged checkpoint is a plain model: our loader gives the same logits without LoRA.
+  chex.assert_trees_all_close(ours(from_pretrained(directory), tokens, mask, positions)[mask],
+                              with_adapters[mask], atol=LOGIT_ATOL, rtol=0)
+
+
+def test_merge_unmerge(base_dir):
+  model = from_pretrained(base_dir, lora=LoraConfig(rank=4, alpha=8.0))
+  randomize_lora(model)
+  base = from_pretrained(base_dir)
+  tokens, mask, positions = padded_batch(97, [0, 3, 6], 11, "left", seed=3)
+  on = ours(model, tokens, mask, positions)
+  off = ours(base, tokens, mask, positions)
+  kernels = flat_params(model, BASE)
+  export = hf_state_dict(model)
+
+  merge_lora(model)
+  assert all(l.merged for l in lora_layers(model))
+  merge_lora(model)  # idempotent
+  chex.assert_trees_all_close(ours(model, tokens, mask, positions), on, atol=1e-5)
+  chex.assert_trees_all_close(ours(model, tokens, mask, positions, adapters=False), off, atol=1e-5)
+  chex.assert_trees_all_close(hf_state_dict(model), export, atol=1e-6)  # export merges once
+  changed = [p for p, v in flat_params(model, BASE).items() if not np.array_equal(v, kernels[p])]
+  assert changed and all(p.endswith(".kernel") for p in changed)
+
+  unmerge_lora(model)
+  assert not any(l.merged for l in lora_layers(model))
+  chex.assert_trees_all_close(flat_params(model, BASE), kernels, atol=1e-6)
+  chex.assert_trees_all_close(ours(model, tokens, mask, positions), on, atol=1e-5)
+
+
+def test_lora_and_base_filters_partition_the_params():
+  cfg = tiny_config()
+  lora = LoraConfig(rank=2, alpha=2.0, targets=("k", "o", "up"))
+  model = random_model(cfg, lora=lora)
+  plain = random_model(cfg)
+  lora_paths = set(flat_params(model, LORA))
+  base_paths = set(flat_params(model, BASE))
+  expected_lora = {f"layers.{i}.{mod}.{t}.{ab}" for i in range(cfg.num_layers)
+                   for mod, t in (("attn", "k"), ("attn", "o"), ("mlp", "up"))
+                   for ab in ("lora_a", "lora_b")}
+  assert lora_paths == expected_lora
+  assert base_paths == set(flat_params(plain, nnx.Param))  # same layout as a model without LoRA
+  assert not lora_paths & base_paths
+  assert lora_paths | base_paths == set(flat_params(model, nnx.Param))
+  assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(nnx.state(model, LORA)))
+
+
+def test_optimizer_on_lora_changes_only_lora(base_dir):
+  model = from_pretrained(base_dir, lora=LoraConfig(rank=4, alpha=8.0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=LORA)
+  tokens, mask, positions = (jnp.asarray(a) for a in padded_batch(97, [0, 2], 8, "right"))
+  before_base, before_lora = flat_params(model, BASE), flat_params(model, LORA)
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    def loss_fn(model):
+      logits = model.logits(model(tokens, positions, mask)[0])
+      logp = jax.nn.log_softmax(logits[:, :-1], -1)
+      nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+      keep = mask[:, :-1] & mask[:, 1:]
+      return jnp.sum(nll * keep) / jnp.sum(keep)
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, LORA))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(3)]
+  assert losses[-1] < losses[0]
+  chex.assert_trees_all_equal(flat_params(model, BASE), before_base)
+  after_lora = flat_params(model, LORA)
+  assert all(not np.array_equal(after_lora[p], before_lora[p]) for p in after_lora)
+
+
+# ----------------------------------------------------------------------------- checkpoint I/O
+
+def test_sharded_index_loads_identically(base_dir, tmp_path):
+  single = from_pretrained(base_dir)
+  sharded_dir = save_pretrained(single, tmp_path / "sharded", max_shard_bytes=16_384)
+  index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
+  shards = sorted(set(index["weight_map"].values()))
+  assert len(shards) > 2 and not (sharded_dir / "model.safetensors").exists()
+  sharded = from_pretrained(sharded_dir)
+  chex.assert_trees_all_equal(flat_params(sharded), flat_params(single))
+  tokens, mask, positions = padded_batch(97, [0, 2, 4], 11, "left")
+  np.testing.assert_array_equal(ours(sharded, tokens, mask, positions),
+                                ours(single, tokens, mask, positions))
+  chex.assert_trees_all_close(hf(hf_model(sharded_dir), tokens, mask, positions)[mask],
+                              ours(single, tokens, mask, positions)[mask], atol=LOGIT_ATOL)
+  # Saving single-file into the same directory removes the stale index and shards.
+  save_pretrained(single, sharded_dir)
+  assert not (sharded_dir / "model.safetensors.index.json").exists()
+  assert not list(sharded_dir.glob("model-*-of-*.safetensors"))
+
+
+def test_bfloat16_checkpoint_round_trip(base_dir, tmp_path):
+  model = from_pretrained(base_dir)
+  directory = save_pretrained(model, tmp_path / "bf16", dtype="bfloat16")
+  assert json.loads((directory / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  loaded = from_pretrained(directory, param_dtype="bfloat16")
+  want = {p: v.astype(jnp.bfloat16) for p, v in flat_params(model).items()}
+  chex.assert_trees_all_equal(flat_params(loaded), want)
+  torch_model = transformers.Qwen2ForCausalLM.from_pretrained(str(directory))
+  assert torch_model.dtype == torch.bfloat16
+
+
+def test_mesh_placement(tmp_path):
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  directory = tiny_hf_dir(tmp_path, vocab_size=96, seed=4)
+  lora = LoraConfig(rank=4, alpha=8.0)
+  model = from_pretrained(directory, mesh=mesh, lora=lora)
+  host = from_pretrained(directory, lora=lora)
+  specs = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    name, value = ".".join(map(str, path)), var.get_value()
+    assert value.sharding.mesh.shape == mesh.shape, name
+    assert value.sharding.spec == param_sharding(name, value.shape, mesh).spec, name
+    specs[name] = value.sharding.spec
+  assert specs["embed"] == P("tensor", "fsdp")
+  assert specs["lm_head"] == P("fsdp", "tensor")
+  assert specs["layers.0.attn.q.kernel"] == P("fsdp", "tensor")
+  assert specs["layers.0.attn.q.bias"] == P("tensor")
+  assert specs["layers.0.attn.o.kernel"] == P("tensor", "fsdp")
+  assert specs["layers.1.mlp.down.kernel"] == P("tensor", "fsdp")
+  assert specs["layers.1.mlp.up.lora_b"] == P(None, "tensor")
+  assert model.final_norm.weight.get_value().sharding.is_fully_replicated
+  tokens, mask, positions = padded_batch(96, [0, 1, 2, 3], 8, "left")
+  chex.assert_trees_all_close(ours(model, tokens, mask, positions),
+                              ours(host, tokens, mask, positions), atol=1e-5)
+
+
+def _break(directory: Path, how: str) -> str:
+  """Damages a checkpoint directory; returns a regex the loader's error must match."""
+  weights = directory / "model.safetensors"
+  if how == "no-config":
+    (directory / "config.json").unlink()
+    return r"config\.json"
+  if how == "no-weights":
+    weights.unlink()
+    return r"model\.safetensors"
+  if how == "model-type":
+    cfg = json.loads((directory / "config.json").read_text()) | {"model_type": "llama"}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return "model_type.*llama"
+  tensors = load_file(weights)
+  if how == "wrong-shape":
+    name = "model.layers.1.self_attn.k_proj.weight"
+    tensors[name] = np.ascontiguousarray(tensors[name][:, :-2])
+  elif how == "missing-tensor":
+    name = "model.layers.0.mlp.up_proj.weight"
+    del tensors[name]
+  elif how == "corrupt":
+    weights.write_bytes(weights.read_bytes()[:100])
+    return str(weights).replace(".", r"\.")
+  save_file(tensors, weights)
+  return name.replace(".", r"\.")
+
+
+@pytest.mark.parametrize("how", ["no-config", "no-weights", "model-type", "wrong-shape",
+                                 "missing-tensor", "corrupt"])
+def test_clear_errors(how, base_dir, tmp_path):
+  directory = Path(shutil.copytree(base_dir, tmp_path / "ckpt"))
+  match = _break(directory, how)
+  with pytest.raises((ValueError, FileNotFoundError), match=match) as info:
+    from_pretrained(directory)
+  assert "\n" not in str(info.value)
+
+
+def test_sharded_checkpoint_errors(base_dir, tmp_path):
+  directory = save_pretrained(from_pretrained(base_dir), tmp_path / "s", max_shard_bytes=16_384)
+  shard = sorted(directory.glob("model-*-of-*.safetensors"))[1]
+  shard.write_bytes(b"\x00" * 64)
+  with pytest.raises(ValueError, match=shard.name):
+    from_pretrained(directory)
+  shard.unlink()
+  with pytest.raises(FileNotFoundError, match=shard.name):
+    from_pretrained(directory)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_real_qwen_tokenizer(tokenizer):
+  assert len(tokenizer) == 151_665
+  assert encode_prompts(tokenizer, ["Hello, world!"]) == [[9707, 11, 1879, 0]]
+  assert encode_prompts(tokenizer, []) == []
+  assert {151_643, 151_645} <= set(stop_token_ids(tokenizer))
+
+
+def test_render_prompt_chat_and_plain(tokenizer, monkeypatch):
+  problem = r"Compute $\frac{1}{2} + x^{2}$ for {x = 3}."
+  text = render_prompt(tokenizer, problem)
+  assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+                  f"assistant.<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+  ids = encode_prompts(tokenizer, [text])[0]
+  assert ids[0] == 151_644 and ids[-3:] == [151_644, 77_091, 198]  # <|im_start|>assistant\n
+  assert ids.count(151_644) == 3  # special tokens are encoded once, not split or doubled
+  assert tokenizer.decode(ids) == text
+  with_system = render_prompt(tokenizer, problem, system="Reason step by step.")
+  assert with_system.startswith("<|im_start|>system\nReason step by step.<|im_end|>\n")
+
+  plain = render_prompt(tokenizer, problem, template="Problem: {problem}\nSolution:")
+  assert plain == f"Problem: {problem}\nSolution:"
+  assert render_prompt(tokenizer, "1+1", template="Q: {problem}", system="S") == "S\n\nQ: 1+1"
+  with pytest.raises(ValueError, match="problem"):
+    render_prompt(tokenizer, problem, template="no placeholder")
+  monkeypatch.setattr(tokenizer, "chat_template", None)
+  assert render_prompt(tokenizer, "1+1") == PLAIN_TEMPLATE.replace("{problem}", "1+1")
+
+
+def test_stop_token_ids_sources(tokenizer, tmp_path):
+  cfg = tiny_config(eos_token_id=(7, 151_645))
+  assert stop_token_ids(tokenizer, cfg) == (7, 151_643, 151_645)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151_645, 9]}))
+  assert stop_token_ids(tokenizer, cfg, model_dir=tmp_path) == (7, 9, 151_643, 151_645)
+
+
+def test_encode_prompts_single_bos():
+  from tokenizers import Tokenizer, models, pre_tokenizers, processors
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                              eos_token="</s>", unk_token="<unk>")
+  assert encode_prompts(fast, ["a b", "<s> a b"]) == [[1, 3, 4], [1, 3, 4]]
+  assert stop_token_ids(fast) == (2,)
+
+
+def test_load_tokenizer_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="not found"):
+    load_tokenizer(tmp_path / "nowhere")
+  shutil.copyfile(QWEN_TOKENIZER_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+  with pytest.raises(FileNotFoundError, match=r"tokenizer_config\.json"):
+    load_tokenizer(tmp_path)
+  (tmp_path / "tokenizer.json").unlink()
+  shutil.copyfile(QWEN_TOKENIZER_DIR / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+  with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+    load_tokenizer(tmp_path)
+
+
+def test_tiny_hf_dir_with_tokenizer(tmp_path):
+  directory = tiny_hf_dir(tmp_path, tokenizer=True, num_layers=1)
+  assert (directory / "tokenizer.json").exists() and (directory / "tokenizer_config.json").exists()
+  cfg = load_config(directory)
+  assert cfg.vocab_size == 151_936 and cfg.eos_token_id == 151_645
+  tok = load_tokenizer(directory)
+  assert stop_token_ids(tok, cfg) == (151_643, 151_645)
+
+
+# ----------------------------------------------------------------------------- real shapes
+
+def test_qwen25_05b_shapes_smoke(tokenizer, shared_data):
+  """Real 0.5B shapes (2 layers, 151,936 vocab), real tokenizer and chat template, one forward."""
+  cfg = preset("qwen2.5-0.5b", num_layers=2)
+  assert (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+      151_936, 896, 14, 2, 64)
+  model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  for path, var in nnx.to_flat_state(nnx.state(model)):  # random, cheaply: tiled random blocks
+    base = 1.0 if ".".join(map(str, path)).endswith("norm.weight") else 0.0
+    block = base + 0.02 * rng.standard_normal(min(var.size, 1 << 16), dtype=np.float32)
+    var.set_value(jnp.asarray(np.resize(block, var.shape)))
+  with open(shared_data / "benchmarks" / "math500.jsonl") as f:
+    problems = [json.loads(line)["problem"] for line in f]
+  problem = min(problems, key=len)  # the shortest keeps the 151,936-wide head cheap
+  text = render_prompt(tokenizer, problem)
+  assert text.startswith("<|im_start|>system\n") and problem in text
+  ids = encode_prompts(tokenizer, [text])[0]
+  t = len(ids)
+  logits = _logits(model, jnp.asarray([ids], jnp.int32), jnp.arange(t)[None],
+                   jnp.ones((1, t), bool))
+  chex.assert_shape(logits, (1, t, 151_936))
+  chex.assert_tree_all_finite(logits)
