@@ -1,0 +1,307 @@
+"""Token log-probs and entropies from the LM head, and the clipped policy loss (eq. 5).
+
+Shape suffixes: B sequences, T tokens, D hidden, V vocabulary, N = B * T
+flattened tokens, C a chunk.
+
+`token_logprob_entropy` never holds the [B, T, V] logits: it walks token
+chunks x vocabulary chunks with an online log-sum-exp, and a custom VJP
+recomputes each chunk's logits in the backward pass, so forward and backward
+hold O(token_chunk * vocab_chunk) logits at a time. A size that a chunk does
+not divide is handled by letting the last chunk overlap its predecessor (the
+overlap is masked out of every sum), so nothing is padded or copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_F32 = jnp.float32
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_max_len")
+
+
+def naive_token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array,
+                                targets_BxT: jax.Array, *,
+                                temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Reference: full float32 logits, log-softmax, `(logp_BxT, entropy_BxT)`."""
+  logits_BxTxV = jnp.einsum("btd,dv->btv", hidden_BxTxD, head_DxV,
+                            preferred_element_type=_F32) / temperature
+  logprobs_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+  logp_BxT = jnp.take_along_axis(logprobs_BxTxV, targets_BxT[..., None].astype(jnp.int32),
+                                 axis=-1)[..., 0]
+  entropy_BxT = -jnp.sum(jnp.exp(logprobs_BxTxV) * logprobs_BxTxV, axis=-1)
+  return logp_BxT, entropy_BxT
+
+
+def token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array, targets_BxT: jax.Array,
+                          *, temperature: float = 1.0, vocab_chunk: int = 8192,
+                          token_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+  """Log-prob of `targets_BxT` and full-vocabulary entropy under softmax(logits / temperature).
+
+  Float32 results `(logp_BxT, entropy_BxT)`, differentiable wrt `hidden_BxTxD`
+  and `head_DxV` (their gradients come back in their dtypes); matmuls
+  accumulate in float32. Targets outside [0, V) give finite garbage log-probs
+  (mask them). Peak memory is a few [token_chunk, vocab_chunk] float32 arrays.
+  `temperature` and the chunk sizes are Python numbers (static under jit).
+  """
+  if not temperature > 0:
+    raise ValueError(f"temperature: must be > 0, got {temperature}")
+  if vocab_chunk < 1 or token_chunk < 1:
+    raise ValueError(f"vocab_chunk, token_chunk: must be >= 1, got {vocab_chunk}, {token_chunk}")
+  b, t, d = hidden_BxTxD.shape
+  v = head_DxV.shape[1]
+  if head_DxV.shape[0] != d or targets_BxT.shape != (b, t):
+    raise ValueError(f"token_logprob_entropy: shapes hidden {hidden_BxTxD.shape}, head "
+                     f"{head_DxV.shape}, targets {targets_BxT.shape} do not match")
+  n = b * t
+  if n == 0:
+    return jnp.zeros((b, t), _F32), jnp.zeros((b, t), _F32)
+  logp_N, entropy_N = _chunked_stats(hidden_BxTxD.reshape(n, d), head_DxV,
+                                     targets_BxT.reshape(n).astype(jnp.int32),
+                                     float(temperature), min(token_chunk, n), min(vocab_chunk, v))
+  return logp_N.reshape(b, t), entropy_N.reshape(b, t)
+
+
+def _chunk_start(i, chunk: int, size: int):
+  """Start of chunk i; the last chunk is pulled back to end at `size`."""
+  return jnp.minimum(i * chunk, size - chunk)
+
+
+def _logits(h_CxD, head_DxV, c0, vc: int, temperature: float):
+  w_DxC = lax.dynamic_slice_in_dim(head_DxV, c0, vc, axis=1)
+  return jnp.dot(h_CxD, w_DxC, preferred_element_type=_F32) / temperature, w_DxC
+
+
+def _dlogits(z_CxV, cols_V, t_C, lse_C, mean_C, glogp_C, gent_C, temperature: float):
+  """Cotangent of the raw logits: d logp/dz = onehot - p, d H/dz = -p (z - E[z])."""
+  p_CxV = jnp.exp(z_CxV - lse_C[:, None])
+  onehot_CxV = (cols_V[None, :] == t_C[:, None]).astype(_F32)
+  dz_CxV = (glogp_C[:, None] * (onehot_CxV - p_CxV)
+            - gent_C[:, None] * p_CxV * (z_CxV - mean_C[:, None]))
+  return dz_CxV / temperature
+
+
+def _forward(h_NxD, head_DxV, t_N, temperature, tc, vc):
+  """`(logp_N, entropy_N, lse_N, mean_N)`; mean is E_p[z] of the tempered logits z."""
+  n, v = h_NxD.shape[0], head_DxV.shape[1]
+  num_t, num_v = -(-n // tc), -(-v // vc)
+
+  def vocab_step(j, h_CxD, t_C):
+    c0 = _chunk_start(j, vc, v)
+    z_CxV, _ = _logits(h_CxD, head_DxV, c0, vc, temperature)
+    cols_V = c0 + jnp.arange(vc)
+    fresh_V = cols_V >= j * vc  # columns not already seen by chunk j - 1
+    z_CxV = jnp.where(fresh_V[None, :], z_CxV, -jnp.inf)
+    hit_CxV = fresh_V[None, :] & (cols_V[None, :] == t_C[:, None])
+    return z_CxV, jnp.sum(jnp.where(hit_CxV, z_CxV, 0.0), axis=-1)
+
+  def token_step(i, carry):
+    r0 = _chunk_start(i, tc, n)
+    h_CxD = lax.dynamic_slice_in_dim(h_NxD, r0, tc)
+    t_C = lax.dynamic_slice_in_dim(t_N, r0, tc)
+    # Online softmax state: max m, s = sum e^(z-m), u = sum e^(z-m) (z-m), target logit.
+    z_CxV, zt_C = vocab_step(0, h_CxD, t_C)
+    m_C = jnp.max(z_CxV, axis=-1)
+    e_CxV = jnp.exp(z_CxV - m_C[:, None])
+    state = (m_C, jnp.sum(e_CxV, -1), jnp.sum(e_CxV * (z_CxV - m_C[:, None]), -1), zt_C)
+
+    def merge(j, state):
+      m_C, s_C, u_C, zt_C = state
+      z_CxV, hit_C = vocab_step(j, h_CxD, t_C)
+      m_new_C = jnp.maximum(m_C, jnp.max(z_CxV, axis=-1))
+      scale_C = jnp.exp(m_C - m_new_C)
+      y_CxV = z_CxV - m_new_C[:, None]
+      e_CxV = jnp.exp(y_CxV)
+      s_new_C = s_C * scale_C + jnp.sum(e_CxV, -1)
+      u_new_C = scale_C * (u_C + (m_C - m_new_C) * s_C) + jnp.sum(
+          jnp.where(e_CxV > 0, e_CxV * y_CxV, 0.0), -1)
+      return m_new_C, s_new_C, u_new_C, zt_C + hit_C
+
+    m_C, s_C, u_C, zt_C = lax.fori_loop(1, num_v, merge, state)
+    lse_C = m_C + jnp.log(s_C)
+    out = (zt_C - lse_C, jnp.log(s_C) - u_C / s_C, lse_C, m_C + u_C / s_C)
+    return tuple(lax.dynamic_update_slice_in_dim(a, b, r0, 0) for a, b in zip(carry, out))
+
+  init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
+  return lax.fori_loop(0, num_t, token_step, init)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_stats(h_NxD, head_DxV, t_N, temperature, tc, vc):
+  logp_N, entropy_N, _, _ = _forward(h_NxD, head_DxV, t_N, temperature, tc, vc)
+  return logp_N, entropy_N
+
+
+def _chunked_stats_fwd(h_NxD, head_DxV, t_N, temperature, tc, vc):
+  logp_N, entropy_N, lse_N, mean_N = _forward(h_NxD, head_DxV, t_N, temperature, tc, vc)
+  return (logp_N, entropy_N), (h_NxD, head_DxV, t_N, lse_N, mean_N)
+
+
+def _chunked_stats_bwd(temperature, tc, vc, res, cotangents):
+  """Two passes, each recomputing logits chunk by chunk: one for d hidden, one for d head.
+
+  Separate passes keep the accumulators small and let XLA drop the head pass
+  when only the hidden gradient is used (LoRA).
+  """
+  h_NxD, head_DxV, t_N, lse_N, mean_N = res
+  glogp_N, gent_N = (g.astype(_F32) for g in cotangents)
+  (n, d), v = h_NxD.shape, head_DxV.shape[1]
+  num_t, num_v = -(-n // tc), -(-v // vc)
+  rows = lambda a, r0: lax.dynamic_slice_in_dim(a, r0, tc)
+
+  def dlogits(h_CxD, r0, c0):
+    z_CxV, w_DxC = _logits(h_CxD, head_DxV, c0, vc, temperature)
+    dz_CxV = _dlogits(z_CxV, c0 + jnp.arange(vc), rows(t_N, r0), rows(lse_N, r0),
+                      rows(mean_N, r0), rows(glogp_N, r0), rows(gent_N, r0), temperature)
+    return dz_CxV, w_DxC
+
+  def hidden_chunk(i, dh_NxD):
+    r0 = _chunk_start(i, tc, n)
+    h_CxD = rows(h_NxD, r0)
+
+    def add(j, acc_CxD):
+      c0 = _chunk_start(j, vc, v)
+      dz_CxV, w_DxC = dlogits(h_CxD, r0, c0)
+      dz_CxV = jnp.where((c0 + jnp.arange(vc) >= j * vc)[None, :], dz_CxV, 0.0)
+      return acc_CxD + jnp.einsum("cv,dv->cd", dz_CxV, w_DxC, preferred_element_type=_F32)
+
+    acc_CxD = lax.fori_loop(0, num_v, add, jnp.zeros((tc, d), _F32))
+    # Rows shared with the previous chunk are rewritten with the same values.
+    return lax.dynamic_update_slice_in_dim(dh_NxD, acc_CxD.astype(dh_NxD.dtype), r0, 0)
+
+  def head_chunk(j, dw_DxV):
+    c0 = _chunk_start(j, vc, v)
+
+    def add(i, acc_DxC):
+      r0 = _chunk_start(i, tc, n)
+      h_CxD = rows(h_NxD, r0)
+      dz_CxV, _ = dlogits(h_CxD, r0, c0)
+      dz_CxV = jnp.where((r0 + jnp.arange(tc) >= i * tc)[:, None], dz_CxV, 0.0)
+      return acc_DxC + jnp.einsum("cd,cv->dv", h_CxD, dz_CxV, preferred_element_type=_F32)
+
+    acc_DxC = lax.fori_loop(0, num_t, add, jnp.zeros((d, vc), _F32))
+    # Columns shared with the previous chunk are rewritten with the same values.
+    return lax.dynamic_update_slice_in_dim(dw_DxV, acc_DxC.astype(dw_DxV.dtype), c0, 1)
+
+  dh_NxD = lax.fori_loop(0, num_t, hidden_chunk, jnp.zeros_like(h_NxD))
+  dw_DxV = lax.fori_loop(0, num_v, head_chunk, jnp.zeros_like(head_DxV))
+  return dh_NxD, dw_DxV, None
+
+
+_chunked_stats.defvjp(_chunked_stats_fwd, _chunked_stats_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Clipped-surrogate loss with k3 KL (eq. 5) and its aggregation."""
+
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  beta: float = 0.001
+  aggregation: str = "token_mean"  # or "seq_mean_token_mean", "seq_sum_max_len" (Dr.GRPO)
+  max_len: int | None = None  # Dr.GRPO normaliser; None: the batch's T
+
+  def __post_init__(self):
+    if not 0 <= self.eps_low < 1:
+      raise ValueError(f"loss.eps_low: must be in [0, 1), got {self.eps_low!r}")
+    if not self.eps_high >= 0:
+      raise ValueError(f"loss.eps_high: must be >= 0, got {self.eps_high!r}")
+    if not self.beta >= 0:
+      raise ValueError(f"loss.beta: must be >= 0, got {self.beta!r}")
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"loss.aggregation: unknown {self.aggregation!r}; use one of {AGGREGATIONS}")
+    if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
+      raise ValueError(f"loss.max_len: must be None or an int >= 1, got {self.max_len!r}")
+
+  def replace(self, **kw: Any) -> LossConfig:
+    return dataclasses.replace(self, **kw)
+
+
+def _masked_mean(x_BxT, mask_BxT, count):
+  return jnp.sum(jnp.where(mask_BxT, x_BxT, 0.0)) / jnp.maximum(count, 1.0)
+
+
+def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.Array,
+                adv_BxT: jax.Array, mask_BxT: jax.Array, cfg: LossConfig = LossConfig(),
+                entropy_BxT: jax.Array | None = None, *,
+                denominator: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Clipped surrogate with the token advantage and k3 KL to the reference (eq. 5).
+
+  Per token: `rho = exp(logp - logp_old)`,
+  `l = -(min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) - beta KL_k3)`,
+  `KL_k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1`. Only `logp_BxT`
+  carries gradients. The loss is `numerator / denominator`:
+
+    token_mean:          sum_{b,t} l / #tokens
+    seq_mean_token_mean: sum_b (sum_t l / |o_b|) / #non-empty sequences
+    seq_sum_max_len:     sum_b (sum_t l / max_len) / B          (Dr.GRPO)
+
+  Both parts are in `aux` ("loss_numerator", "loss_denominator"). For exact
+  gradient accumulation over micro-batches, pass the full batch's denominator
+  as `denominator` (each micro-batch's loss is then its share of the full
+  loss, and the gradients add up), or weight each micro-batch's gradient by
+  its denominator and divide by their sum. With seq_sum_max_len, set
+  `cfg.max_len` so that every micro-batch uses the same normaliser.
+  """
+  mask_BxT = mask_BxT.astype(bool)
+  adv_BxT = jax.lax.stop_gradient(adv_BxT.astype(_F32))
+  logp_BxT = logp_BxT.astype(_F32)
+  logp_old_BxT = jax.lax.stop_gradient(logp_old_BxT.astype(_F32))
+  logp_ref_BxT = jax.lax.stop_gradient(logp_ref_BxT.astype(_F32))
+  # Padding may hold garbage: neutralise it before exp so nothing overflows into NaN.
+  log_ratio_BxT = jnp.where(mask_BxT, logp_BxT - logp_old_BxT, 0.0)
+  ref_gap_BxT = jnp.where(mask_BxT, logp_ref_BxT - logp_BxT, 0.0)
+  adv_BxT = jnp.where(mask_BxT, adv_BxT, 0.0)
+
+  rho_BxT = jnp.exp(log_ratio_BxT)
+  clipped_BxT = jnp.clip(rho_BxT, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+  surrogate_BxT = jnp.minimum(rho_BxT * adv_BxT, clipped_BxT * adv_BxT)
+  kl_BxT = jnp.exp(ref_gap_BxT) - ref_gap_BxT - 1.0
+  per_token_BxT = jnp.where(mask_BxT, -(surrogate_BxT - cfg.beta * kl_BxT), 0.0)
+
+  m_BxT = mask_BxT.astype(_F32)
+  length_B = jnp.sum(m_BxT, axis=-1)
+  num_tokens = jnp.sum(length_B)
+  if cfg.aggregation == "token_mean":
+    numerator = jnp.sum(per_token_BxT)
+    own_denominator = num_tokens
+  elif cfg.aggregation == "seq_mean_token_mean":
+    numerator = jnp.sum(jnp.sum(per_token_BxT, axis=-1) / jnp.maximum(length_B, 1.0))
+    own_denominator = jnp.sum((length_B > 0).astype(_F32))
+  else:
+    max_len = cfg.max_len if cfg.max_len is not None else mask_BxT.shape[-1]
+    numerator = jnp.sum(per_token_BxT) / max_len
+    own_denominator = jnp.asarray(mask_BxT.shape[0], _F32)
+  norm = own_denominator if denominator is None else jnp.asarray(denominator, _F32)
+  loss = numerator / jnp.maximum(norm, 1e-8)
+
+  low_BxT = (rho_BxT < 1.0 - cfg.eps_low) & (adv_BxT < 0)
+  high_BxT = (rho_BxT > 1.0 + cfg.eps_high) & (adv_BxT > 0)
+  adv_mean = _masked_mean(adv_BxT, mask_BxT, num_tokens)
+  aux = {
+      "loss_numerator": jax.lax.stop_gradient(numerator),
+      "loss_denominator": own_denominator,
+      "num_tokens": num_tokens,
+      "clip_ratio/low_mean": _masked_mean(low_BxT.astype(_F32), mask_BxT, num_tokens),
+      "clip_ratio/high_mean": _masked_mean(high_BxT.astype(_F32), mask_BxT, num_tokens),
+      "clip_ratio/region_mean": _masked_mean((low_BxT | high_BxT).astype(_F32), mask_BxT,
+                                             num_tokens),
+      "kl": jax.lax.stop_gradient(_masked_mean(kl_BxT, mask_BxT, num_tokens)),
+      "ratio/mean": jax.lax.stop_gradient(_masked_mean(rho_BxT, mask_BxT, num_tokens)),
+      "advantage/mean": adv_mean,
+      "advantage/std": jnp.sqrt(_masked_mean(jnp.square(adv_BxT - adv_mean), mask_BxT,
+                                             num_tokens)),
+      "advantage/min": jnp.where(num_tokens > 0, jnp.min(jnp.where(mask_BxT, adv_BxT, jnp.inf)),
+                                 0.0),
+      "advantage/max": jnp.where(num_tokens > 0, jnp.max(jnp.where(mask_BxT, adv_BxT, -jnp.inf)),
+                                 0.0),
+  }
+  if entropy_BxT is not None:
+    aux["entropy"] = jax.lax.stop_gradient(
+        _masked_mean(entropy_BxT.astype(_F32), mask_BxT, num_tokens))
+  return loss, aux
