@@ -1,0 +1,127 @@
+"""Orbax checkpoints of a run: trainable parameters, optimizer state, data iterator, PRNG, step.
+
+Orbax writes each step into a temporary directory and renames it when
+complete, so a killed save never leaves a step that `latest_step` returns; the
+manager keeps the newest `keep` steps. Saves and restores are collective across
+processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
+
+log = logging.getLogger("epgrpo_jax.checkpointing")
+
+
+class Checkpointer:
+  """Saves and restores `(state pytree, data iterator, json metadata)` per step."""
+
+  def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    self.directory = Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=checkpoint_managers.LatestN(keep),
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+        create=True,
+    )
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iterator: grain.DatasetIterator | None,
+           meta: dict[str, Any], *, force: bool = True) -> None:
+    items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+  def restore(self, step: int, abstract_state: Any, data_iterator: grain.DatasetIterator | None):
+    """Restores into `abstract_state`'s structure/shardings and `data_iterator` (in place)."""
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+    items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    return restored["state"], restored["meta"]
+
+  def restore_trainable(self, step: int, abstract_trainable: Any) -> Any:
+    """Only the trained weights (the "trainable" entry of the state), as `restore_trainable`.
+
+    Reads through a separate read-only manager: this one has "state" registered
+    for `StandardRestore` of the whole tree, which cannot restore a part of it.
+    """
+    self.manager.wait_until_finished()
+    return restore_trainable(self.directory, step, abstract_trainable)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+# ----------------------------------------------------------------------------
+# Reading the trained weights only (evaluation): no optimizer state, no data iterator.
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  """Orbax's warnings about read-only options and the metadata it does not need, muted."""
+  absl_log = logging.getLogger("absl")
+  level = absl_log.level
+  absl_log.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    absl_log.setLevel(level)
+
+
+def _key_name(k: Any) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def saved_trainable_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
+  """Dotted path -> shape of each array under "trainable" in a step's "state" item
+  (read from the Orbax metadata, without loading the arrays)."""
+  with _quiet_absl(), ocp.PyTreeCheckpointer() as ckptr:
+    metadata = ckptr.metadata(Path(step_dir).absolute() / "state")
+  tree = getattr(metadata, "item_metadata", metadata)
+  if not hasattr(tree, "keys") or "trainable" not in tree.keys():
+    return {}
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree["trainable"])[0]:
+    names = [_key_name(k) for k in path]
+    if names and names[-1] == "value":  # an nnx.Variable's own field
+      names = names[:-1]
+    out[".".join(names)] = tuple(getattr(leaf, "shape", ()))
+  return out
+
+
+def restore_trainable(directory: str | Path, step: int, abstract_trainable: Any) -> Any:
+  """The "trainable" part of step `step` under `directory` (RUN_DIR/checkpoints), in
+  `abstract_trainable`'s structure, dtypes and shardings. Opens the checkpoints read-only:
+  a concurrent training run is left alone (no clean-up of its temporary directories)."""
+  with _quiet_absl():  # read_only=True warns about the options it implies
+    options = ocp.CheckpointManagerOptions(read_only=True, enable_async_checkpointing=False)
+    manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_trainable)
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+  args = ocp.args.PyTreeRestore(item={"trainable": abstract},
+                                restore_args={"trainable": restore_args}, partial_restore=True)
+  try:
+    return manager.restore(step, args=ocp.args.Composite(state=args))["state"]["trainable"]
+  finally:
+    manager.close()
