@@ -54,8 +54,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r".*mlp\.down\.lora_b", ("rank", "embed")),
 )
 
-# Cache leaves: k/v are [B, S, K, Hd].
-CACHE_AXES = {"kv": ("batch", "slots", "kv_heads", "head_dim"), "valid": ("batch", "slots")}
+# Cache leaves (models.init_cache): keys [B, K, Hd, S], values [B, K, S, Hd].
+CACHE_AXES = {"k": ("batch", "kv_heads", "head_dim", "slots"),
+              "v": ("batch", "kv_heads", "slots", "head_dim"), "valid": ("batch", "slots")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +164,11 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def cache_shardings(cache, mesh: Mesh):
   """Shardings for a KV cache pytree from `models.init_cache`."""
-  def kv(x):
-    return NamedSharding(mesh, spec_for(CACHE_AXES["kv"], x.shape, mesh))
+  def one(name, x):
+    return NamedSharding(mesh, spec_for(CACHE_AXES[name], x.shape, mesh))
   return {
-      "k": [kv(x) for x in cache["k"]],
-      "v": [kv(x) for x in cache["v"]],
+      "k": [one("k", x) for x in cache["k"]],
+      "v": [one("v", x) for x in cache["v"]],
       "valid": NamedSharding(mesh, spec_for(CACHE_AXES["valid"], cache["valid"].shape, mesh)),
       "index": NamedSharding(mesh, P()),
   }

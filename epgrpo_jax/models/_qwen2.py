@@ -18,17 +18,22 @@ from flax import nnx
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear
 
-Cache = dict  # {"k": [L x BxSxKxHd], "v": [...], "valid": BxS bool, "index": int32 scalar}
+Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _NEG = -1e30  # finite, so that a row with no valid key gives a uniform, not NaN, softmax
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
-  """An empty cache for `batch` rows and `slots` positions."""
+  """An empty cache for `batch` rows and `slots` positions.
+
+  Heads-major layouts, keys [B, K, Hd, S] and values [B, K, S, Hd], make both
+  attention einsums plain batched matmuls over (b, k): XLA then never copies a
+  transposed cache (on CPU that copy dominated each decode step).
+  """
   dtype = dtype or as_dtype(cfg.dtype)
-  shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+  k, hd = cfg.num_kv_heads, cfg.head_dim
   return {
-      "k": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-      "v": [jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+      "k": [jnp.zeros((batch, k, hd, slots), dtype) for _ in range(cfg.num_layers)],
+      "v": [jnp.zeros((batch, k, slots, hd), dtype) for _ in range(cfg.num_layers)],
       "valid": jnp.zeros((batch, slots), bool),
       "index": jnp.zeros((), jnp.int32),
   }
@@ -76,7 +81,7 @@ class Attention(nnx.Module):
     self.o = _linear(cfg, lora, "o", h * hd, d, False, rngs)
     self.cfg = cfg
 
-  def __call__(self, x_BxTxD, positions_BxT, k_BxSxKxHd, v_BxSxKxHd, allowed_BxTxS,
+  def __call__(self, x_BxTxD, positions_BxT, k_BxKxHdxS, v_BxKxSxHd, allowed_BxTxS,
                write_index, adapters: bool):
     """Writes this block's keys/values at `write_index` (None: no cache) and attends."""
     cfg = self.cfg
@@ -86,19 +91,22 @@ class Attention(nnx.Module):
     v = self.v(x_BxTxD, adapters).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     q = rope(q, positions_BxT, cfg.rope_theta)
     k = rope(k, positions_BxT, cfg.rope_theta)
+    k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
-      keys, values = k, v
+      keys, values = k_BxKxHdxT, v_BxKxTxHd
     else:
-      keys = jax.lax.dynamic_update_slice(k_BxSxKxHd, k.astype(k_BxSxKxHd.dtype), (0, write_index, 0, 0))
-      values = jax.lax.dynamic_update_slice(v_BxSxKxHd, v.astype(v_BxSxKxHd.dtype), (0, write_index, 0, 0))
+      keys = jax.lax.dynamic_update_slice(k_BxKxHdxS, k_BxKxHdxT.astype(k_BxKxHdxS.dtype),
+                                          (0, 0, 0, write_index))
+      values = jax.lax.dynamic_update_slice(v_BxKxSxHd, v_BxKxTxHd.astype(v_BxKxSxHd.dtype),
+                                            (0, 0, write_index, 0))
     groups = cfg.num_heads // cfg.num_kv_heads
-    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys.astype(q.dtype),
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys.astype(q.dtype),
                         preferred_element_type=jnp.float32) / jnp.sqrt(cfg.head_dim).astype(jnp.float32)
     scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, values.astype(q.dtype))
-    out = out.reshape(b, t, cfg.num_heads * cfg.head_dim)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, values.astype(q.dtype))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o(out, adapters), keys, values
 
 

@@ -1,0 +1,123 @@
+"""Sampling throughput: our JAX sampler vs transformers `generate`, same model and weights.
+
+The bench-tiny random Qwen2 (vocab 1024, hidden 256, 4 layers, tied) is saved
+with `save_pretrained` and loaded by `Qwen2ForCausalLM.from_pretrained`. Both
+sample 8 prompts x 8 completions of 32-token prompts, exactly 128 new tokens
+(no stop ids), temperature 1.0, top-p 0.95 on CPU; torch uses 2 threads.
+Warm-up (and compilation) excluded; the median of `--runs` timed runs.
+
+  python benchmarks/sampler_vs_hf.py [--scaling] [--runs 3] [--skip-hf]
+
+Run it on an idle machine. Under load from other processes, torch's OpenMP
+threads spin-wait and its throughput collapses (tenfold here with 2 threads);
+`OMP_WAIT_POLICY=PASSIVE` (set before the run) gives a fairer figure then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def parse_args():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--samples", type=int, default=8, help="G completions per prompt")
+  ap.add_argument("--prompt-len", type=int, default=32)
+  ap.add_argument("--new-tokens", type=int, default=128)
+  ap.add_argument("--top-p", type=float, default=0.95)
+  ap.add_argument("--temperature", type=float, default=1.0)
+  ap.add_argument("--runs", type=int, default=3)
+  ap.add_argument("--torch-threads", type=int, default=2)
+  ap.add_argument("--scaling", action="store_true", help="also 16..256 sequences (8 samples per prompt)")
+  ap.add_argument("--skip-hf", action="store_true", help="time only ours")
+  return ap.parse_args()
+
+
+def timed(fn, runs: int) -> float:
+  fn()  # warm-up: compilation, allocator, caches
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main():
+  args = parse_args()
+  import jax
+  import torch
+  from flax import nnx
+  from transformers import Qwen2ForCausalLM
+
+  from epgrpo_jax.models import Qwen2, preset, save_pretrained
+  from epgrpo_jax.sampling import Sampler, SamplingConfig
+
+  torch.set_num_threads(args.torch_threads)
+  cfg = preset("bench-tiny")
+  model = Qwen2(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  with tempfile.TemporaryDirectory() as d:
+    save_pretrained(model, d)
+    hf = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+
+  sampler = Sampler(SamplingConfig(temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.new_tokens), eos_ids=())
+  rng = np.random.default_rng(0)
+
+  def ours(num_prompts: int, g: int) -> float:
+    prompts = rng.integers(2, cfg.vocab_size, (num_prompts, args.prompt_len)).tolist()
+    keys = iter(jax.random.split(jax.random.key(0), args.runs + 1))
+
+    def run():
+      out = sampler.sample((graphdef, state), prompts, g, next(keys))
+      out.tokens.block_until_ready()
+      assert out.tokens.shape == (num_prompts, g, args.new_tokens) and bool(out.mask.all())
+    return num_prompts * g * args.new_tokens / timed(run, args.runs)
+
+  def theirs(num_prompts: int, g: int) -> float:
+    ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, (num_prompts, args.prompt_len)))
+    torch.manual_seed(0)
+
+    def run():
+      with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                          temperature=args.temperature, top_p=args.top_p, top_k=0,
+                          max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                          num_return_sequences=g, pad_token_id=0)
+      assert out.shape == (num_prompts * g, args.prompt_len + args.new_tokens)
+    return num_prompts * g * args.new_tokens / timed(run, args.runs)
+
+  load = os.getloadavg()
+  print(f"bench-tiny Qwen2, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+        f"T={args.temperature}, top-p={args.top_p}; {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, torch {torch.__version__} with {args.torch_threads} threads"
+        f" (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+  n = args.prompts * args.samples
+  mine = ours(args.prompts, args.samples)
+  print(f"ours          {n:4d} sequences: {mine:9.0f} tokens/s")
+  if not args.skip_hf:
+    ref = theirs(args.prompts, args.samples)
+    print(f"transformers  {n:4d} sequences: {ref:9.0f} tokens/s")
+    print(f"ratio ours / transformers: {mine / ref:.2f}x")
+  if args.scaling:
+    print("scaling (8 samples per prompt):")
+    for total in (16, 32, 64, 128, 256):
+      p = total // args.samples
+      line = f"  {total:4d} sequences: ours {ours(p, args.samples):9.0f} tokens/s"
+      if not args.skip_hf:
+        line += f", transformers {theirs(p, args.samples):9.0f} tokens/s"
+      print(line, flush=True)
+  print(f"sampler compilations: {sampler.num_compilations}; load average at end "
+        f"{os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+  main()

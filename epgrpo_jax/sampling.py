@@ -1,0 +1,492 @@
+"""Batched sampling with a KV cache: greedy, temperature, top-k and exact top-p.
+
+Shape suffixes: P prompts, G samples per prompt, B = P * G rows, Tp prompt
+slots (bucketed), N generated tokens (bucketed), S = Tp + N cache slots,
+V vocabulary, D hidden.
+
+Truncation follows transformers' order: temperature, then top-k, then top-p
+(on the distribution renormalised after top-k). Both cut-offs are thresholds
+found by a bisection over the bits of the values, so no step sorts the
+vocabulary; ties at a threshold are always kept (see `docs/sampling.md`).
+
+`Sampler.sample` prefills each prompt once, copies its cache to its G rows,
+and decodes with `lax.while_loop`s (one per cache-size segment) in one
+program, compiled once per (P, Tp, N, G) and reused across calls with new
+weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax import lax
+
+from epgrpo_jax.models import Qwen2, as_dtype, init_cache
+
+logger = logging.getLogger("epgrpo_jax.sampling")
+
+_INT_MAX = np.iinfo(np.int32).max
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+  return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to pick tokens and how to bucket shapes.
+
+  temperature 0 or `greedy` picks the argmax; `top_k` 0 and `top_p` 1.0 are
+  off. Prompt lengths round up to the next of `prompt_buckets` and
+  `max_new_tokens` to the next of `length_buckets` (beyond the largest: a
+  multiple of it). `cache_dtype` None uses the model's compute dtype. The
+  decode loop runs in up to `decode_segments` segments whose caches grow, so
+  early steps attend over fewer slots (each segment is one more loop body to
+  compile).
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  greedy: bool = False
+  max_new_tokens: int = 256
+  prompt_buckets: tuple[int, ...] = _powers_of_two(32, 8192)
+  length_buckets: tuple[int, ...] = _powers_of_two(16, 8192)
+  cache_dtype: str | None = None
+  decode_segments: int = 2
+
+  def __post_init__(self):
+    if not self.temperature >= 0:  # also rejects NaN
+      raise ValueError(f"sampling.temperature: must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"sampling.top_k: must be >= 0 (0 = off), got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+    for name in ("prompt_buckets", "length_buckets"):
+      buckets = tuple(getattr(self, name))
+      object.__setattr__(self, name, buckets)
+      if not buckets or any(int(b) != b or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"sampling.{name}: must be increasing positive integers, got {buckets}")
+    if self.decode_segments < 1:
+      raise ValueError(f"sampling.decode_segments: must be >= 1, got {self.decode_segments}")
+    if self.cache_dtype is not None:
+      try:
+        as_dtype(self.cache_dtype)
+      except ValueError as e:
+        raise ValueError(f"sampling.cache_dtype: {e}") from None
+
+  @property
+  def is_greedy(self) -> bool:
+    return self.greedy or self.temperature == 0
+
+  def replace(self, **kw) -> "SamplingConfig":
+    return dataclasses.replace(self, **kw)
+
+
+def segment_ends(n: int, segments: int) -> list[int]:
+  """Ends of the decode segments over N steps: equal, multiples of 8, at least 8 long."""
+  segments = max(1, min(segments, n // 8))
+  size = -(-n // segments)
+  size = -(-size // 8) * 8
+  return sorted({min(n, size * (i + 1)) for i in range(segments)})
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket >= n; past the largest, the next multiple of the largest."""
+  for b in buckets:
+    if b >= n:
+      return b
+  return -(-n // buckets[-1]) * buckets[-1]
+
+
+# ---------------------------------------------------------------------------
+# Per-step strategies: pure functions on [B, V] float32 logits.
+
+
+def _to_key(x):
+  """int32 keys ordered like the float32 values, for either sign (-0.0 maps like 0.0)."""
+  x = x.astype(jnp.float32)
+  i = lax.bitcast_convert_type(jnp.where(x == 0, jnp.float32(0), x), jnp.int32)
+  return jnp.where(i < 0, i ^ jnp.int32(_INT_MAX), i)
+
+
+def _from_key(k):
+  """The float32 with ordered key `k` (inverse of `_to_key`)."""
+  return lax.bitcast_convert_type(jnp.where(k < 0, k ^ jnp.int32(_INT_MAX), k), jnp.float32)
+
+
+def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: jax.Array) -> jax.Array:
+  """Per row, the largest value t among the row's values with sum(weights[values >= t]) >= target.
+
+  A bisection over the float bits (as ordered int keys) in which both ends of
+  the bracket [lo, hi) snap to values present in the row, so it stops as soon
+  as lo and the next larger value are neighbours: about log2(distinct values)
+  passes, at most 32. Exact: no rounding of thresholds. If no value reaches the
+  target, returns the row's smallest value. Values must not be NaN.
+  """
+  values_BxV = values_BxV.astype(jnp.float32)
+  inf = jnp.float32(jnp.inf)
+  lo_B = _to_key(jnp.min(values_BxV, axis=-1))  # mass(lo) >= target (unless none is)
+  hi_B = _to_key(jnp.max(values_BxV, axis=-1)) + 1  # mass(hi) < target; hi - 1 is a value
+
+  def body(carry):
+    lo_B, hi_B = carry
+    mid_B = (lo_B | hi_B) - ((lo_B ^ hi_B) >> 1)  # ceil((lo + hi) / 2) without overflow
+    above_BxV = values_BxV >= _from_key(mid_B)[:, None]
+    mass_B = jnp.sum(jnp.where(above_BxV, weights_BxV, 0), axis=-1)
+    first_above_B = jnp.min(jnp.where(above_BxV, values_BxV, inf), axis=-1)
+    last_below_B = jnp.max(jnp.where(above_BxV, -inf, values_BxV), axis=-1)
+    ok_B = mass_B >= target_B
+    return (jnp.where(ok_B, _to_key(first_above_B), lo_B),
+            jnp.where(ok_B, hi_B, _to_key(last_below_B) + 1))
+
+  lo_B, _ = lax.while_loop(lambda c: jnp.any(c[1] - c[0] > 1), body, (lo_B, hi_B))
+  return _from_key(lo_B)
+
+
+def top_k_mask(logits_BxV: jax.Array, k: int) -> jax.Array:
+  """Keeps every token whose logit is >= the k-th largest (ties at the k-th all kept)."""
+  if k <= 0 or k >= logits_BxV.shape[-1]:
+    return jnp.ones(logits_BxV.shape, bool)
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  ones_BxV = jnp.ones(logits_BxV.shape, jnp.float32)
+  kth_B = largest_threshold(logits_BxV, ones_BxV, jnp.full(logits_BxV.shape[:1], k, jnp.float32))
+  return logits_BxV >= kth_B[:, None]
+
+
+def top_p_mask(probs_BxV: jax.Array, top_p: float) -> jax.Array:
+  """Keeps every token with probability >= tau, tau being the smallest probability
+  of the shortest most-likely-first prefix whose mass reaches `top_p` (ties at tau
+  all kept). `probs_BxV` must be >= 0 (zeros for tokens already removed)."""
+  if top_p >= 1.0:
+    return jnp.ones(probs_BxV.shape, bool)
+  probs_BxV = probs_BxV.astype(jnp.float32)
+  target_B = jnp.full(probs_BxV.shape[:1], top_p, jnp.float32)
+  tau_B = largest_threshold(probs_BxV, probs_BxV, target_B)
+  return probs_BxV >= tau_B[:, None]
+
+
+def _softmax(x_BxV: jax.Array) -> jax.Array:
+  """exp(x - logsumexp(x)), the form every strategy (and the tests' reference) uses."""
+  return jnp.exp(x_BxV - jax.nn.logsumexp(x_BxV, axis=-1, keepdims=True))
+
+
+def truncate(scaled_BxV: jax.Array, top_k: int = 0, top_p: float = 1.0,
+             probs_BxV: jax.Array | None = None) -> jax.Array:
+  """Top-k then top-p on temperature-scaled logits; returns the kept mask [B, V].
+
+  `probs_BxV`, the softmax of `scaled_BxV`, may be passed in to save a pass.
+  """
+  keep_BxV = top_k_mask(scaled_BxV, top_k)
+  if top_p < 1.0:
+    if top_k > 0 or probs_BxV is None:
+      probs_BxV = _softmax(jnp.where(keep_BxV, scaled_BxV, -jnp.inf))
+    keep_BxV &= top_p_mask(probs_BxV, top_p)
+  return keep_BxV
+
+
+def _block_size(v: int) -> int:
+  return max(8, 1 << ((int(np.ceil(np.sqrt(v))) - 1).bit_length()))
+
+
+def _inclusive_cumsum(x_BxM: jax.Array) -> jax.Array:
+  """Cumulative sum over a short last axis as one small matmul (XLA's CPU cumsum is slow)."""
+  m = x_BxM.shape[-1]
+  upper_MxM = jnp.triu(jnp.ones((m, m), x_BxM.dtype))
+  return jnp.dot(x_BxM, upper_MxM, precision=lax.Precision.HIGHEST)
+
+
+def _last_true(mask_BxM: jax.Array) -> jax.Array:
+  m = mask_BxM.shape[-1]
+  return m - 1 - jnp.argmax(mask_BxM[:, ::-1], axis=-1)
+
+
+def categorical(key: jax.Array, weights_BxV: jax.Array) -> jax.Array:
+  """Draws token i with probability w_i / sum(w) (w >= 0, some w > 0 per row).
+
+  Inverse-CDF sampling with one uniform per row, in two levels (a block of
+  the vocabulary, then a token within it), so no [B, V] cumsum or [B, V]
+  random numbers. A token with zero weight is never drawn.
+  """
+  b, v = weights_BxV.shape
+  bs = _block_size(v)
+  nb = -(-v // bs)
+  w_BxNbxBs = jnp.pad(weights_BxV.astype(jnp.float32), ((0, 0), (0, nb * bs - v))).reshape(b, nb, bs)
+  block_BxNb = jnp.sum(w_BxNbxBs, axis=-1)
+  block_cum_BxNb = _inclusive_cumsum(block_BxNb)
+  u_B = jax.random.uniform(key, (b,), jnp.float32) * block_cum_BxNb[:, -1]
+
+  def pick(cum_BxM, w_BxM, u_B):  # first index with cum > u and w > 0; else the last w > 0
+    hit_BxM = (cum_BxM > u_B[:, None]) & (w_BxM > 0)
+    return jnp.where(jnp.any(hit_BxM, -1), jnp.argmax(hit_BxM, -1), _last_true(w_BxM > 0))
+
+  blk_B = pick(block_cum_BxNb, block_BxNb, u_B)
+  before_B = jnp.take_along_axis(block_cum_BxNb - block_BxNb, blk_B[:, None], 1)[:, 0]
+  row_BxBs = jnp.take_along_axis(w_BxNbxBs, blk_B[:, None, None], 1)[:, 0]
+  j_B = pick(_inclusive_cumsum(row_BxBs), row_BxBs, u_B - before_B)
+  return (blk_B * bs + j_B).astype(jnp.int32)
+
+
+def log_prob_and_entropy(scaled_BxV: jax.Array, tokens_B: jax.Array, lse_B: jax.Array | None = None,
+                         probs_BxV: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """log p(token) and the entropy of softmax(scaled) over the full vocabulary.
+
+  `lse_B` (logsumexp of scaled) and `probs_BxV` (the softmax) may be passed in.
+  """
+  if lse_B is None:
+    lse_B = jax.nn.logsumexp(scaled_BxV, axis=-1)
+  if probs_BxV is None:
+    probs_BxV = jnp.exp(scaled_BxV - lse_B[:, None])
+  entropy_B = -jnp.sum(probs_BxV * (scaled_BxV - lse_B[:, None]), axis=-1)  # no cancellation
+  logp_B = jnp.take_along_axis(scaled_BxV, tokens_B[:, None], 1)[:, 0] - lse_B
+  return logp_B, entropy_B
+
+
+def sample_step(key: jax.Array, logits_BxV: jax.Array, cfg: SamplingConfig):
+  """One token per row: (tokens_B int32, logp_B, entropy_B).
+
+  logp and entropy are those of the temperature-scaled full distribution (not
+  the truncated one); for greedy decoding, of temperature 1.
+  """
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  if cfg.is_greedy:
+    tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return (tokens_B, *log_prob_and_entropy(logits_BxV, tokens_B))
+  scaled_BxV = logits_BxV / jnp.float32(cfg.temperature)
+  lse_B = jax.nn.logsumexp(scaled_BxV, axis=-1)
+  probs_BxV = jnp.exp(scaled_BxV - lse_B[:, None])  # = _softmax(scaled_BxV)
+  keep_BxV = truncate(scaled_BxV, cfg.top_k, cfg.top_p, probs_BxV)
+  tokens_B = categorical(key, jnp.where(keep_BxV, probs_BxV, 0.0))
+  return (tokens_B, *log_prob_and_entropy(scaled_BxV, tokens_B, lse_B, probs_BxV))
+
+
+# ---------------------------------------------------------------------------
+# The sampler.
+
+
+@struct.dataclass
+class SampleOutput:
+  """G completions for each of P prompts.
+
+  tokens [P, G, N] int32 (pad id after a stop token); mask [P, G, N] bool
+  (stop token included); logp, entropy [P, G, N] float32 (0 where masked);
+  lengths [P, G] int32; prompt_ids, prompt_mask [P, Tp]: the left-padded
+  prompts the completions continue (prompt_ids ++ tokens is the sequence).
+  """
+
+  tokens: jax.Array
+  mask: jax.Array
+  logp: jax.Array
+  entropy: jax.Array
+  lengths: jax.Array
+  prompt_ids: jax.Array
+  prompt_mask: jax.Array
+
+
+@struct.dataclass
+class _Loop:
+  step: jax.Array  # tokens written so far
+  tokens_BxN: jax.Array
+  logp_BxN: jax.Array
+  entropy_BxN: jax.Array
+  done_B: jax.Array
+  lengths_B: jax.Array
+  last_B: jax.Array
+  positions_B: jax.Array  # position of `last_B`
+  cache: dict
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-aligns each prompt in a [P, length] array; returns (ids int32, mask bool)."""
+  ids = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for i, p in enumerate(prompts):
+    if len(p):
+      ids[i, length - len(p):] = np.asarray(p, np.int32)
+      mask[i, length - len(p):] = True
+  return ids, mask
+
+
+class Sampler:
+  """Samples G completions per prompt from a Qwen2 model, one compilation per shape.
+
+  The model comes in as a `Qwen2` or `(graphdef, state)`; the state is an
+  argument of the compiled program, so new weights (a LoRA update) do not
+  recompile. `num_compilations` counts compiled programs; each is logged.
+  """
+
+  def __init__(self, config: SamplingConfig, *, eos_ids: Sequence[int] = (), pad_id: int = 0,
+               mesh: jax.sharding.Mesh | None = None):
+    self.config = config
+    self.eos_ids = tuple(int(e) for e in eos_ids)
+    self.pad_id = int(pad_id)
+    self.mesh = mesh
+    self.num_compilations = 0
+    self._programs: dict[Any, Any] = {}
+
+  # -- host side ------------------------------------------------------------
+
+  def prepare_prompts(self, prompts) -> tuple[np.ndarray, np.ndarray]:
+    """Token lists, or (ids [P, T], mask [P, T]) in any padding: left-padded to the bucket."""
+    if isinstance(prompts, tuple) and len(prompts) == 2 and hasattr(prompts[0], "shape"):
+      ids, mask = (np.asarray(a) for a in prompts)
+      if ids.ndim != 2 or ids.shape != mask.shape:
+        raise ValueError(f"prompts: ids {ids.shape} and mask {mask.shape} must both be [P, T]")
+      prompts = [row[m.astype(bool)].tolist() for row, m in zip(ids, mask)]
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+      raise ValueError("prompts: empty batch")
+    for i, p in enumerate(prompts):
+      if not p:
+        raise ValueError(f"prompts[{i}]: empty prompt")
+    length = bucket(max(len(p) for p in prompts), self.config.prompt_buckets)
+    return left_pad(prompts, length, self.pad_id)
+
+  def sample(self, model, prompts, num_samples: int, key: jax.Array,
+             max_new_tokens: int | None = None, eos_ids: Sequence[int] | None = None) -> SampleOutput:
+    """G = `num_samples` completions of up to `max_new_tokens` for each prompt.
+
+    `prompts`: a list of token-id lists, or (ids [P, T], mask [P, T]).
+    `eos_ids` overrides the sampler's stop ids for this call (the same number
+    of ids reuses the compiled program). Same inputs and key give the same output.
+    """
+    if num_samples < 1:
+      raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
+    max_new = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+    if max_new < 1:
+      raise ValueError(f"max_new_tokens: must be >= 1, got {max_new}")
+    graphdef, state = model if isinstance(model, tuple) else nnx.split(model)
+    ids_PxTp, mask_PxTp = self.prepare_prompts(prompts)
+    p, tp = ids_PxTp.shape
+    n = bucket(max_new, self.config.length_buckets)
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.wrap_key_data(key)
+
+    if self.mesh is not None:
+      from epgrpo_jax import sharding
+      batch = sharding.NamedSharding(self.mesh, sharding.spec_for(("batch", None), ids_PxTp.shape, self.mesh))
+      ids, mask = jax.device_put(ids_PxTp, batch), jax.device_put(mask_PxTp, batch)
+      key = jax.device_put(key, sharding.replicated(self.mesh))
+    else:
+      ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
+    eos = tuple(self.eos_ids if eos_ids is None else eos_ids) or (-1,)  # -1: never matches
+    args = (state, ids, mask, key, jnp.asarray(max_new, jnp.int32), jnp.asarray(eos, jnp.int32))
+    program = self._program(graphdef, args, p, tp, n, num_samples)
+    out = program(*args)
+    if max_new < n:
+      out = out.replace(tokens=out.tokens[..., :max_new], mask=out.mask[..., :max_new],
+                        logp=out.logp[..., :max_new], entropy=out.entropy[..., :max_new])
+    return out
+
+  def _program(self, graphdef, args, p: int, tp: int, n: int, g: int):
+    leaves, treedef = jax.tree.flatten(args)
+    signature = (graphdef, treedef, p, tp, n, g,
+                 tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    program = self._programs.get(signature)
+    if program is None:
+      start = time.perf_counter()
+      fn = jax.jit(functools.partial(self._generate, graphdef, num_samples=g, gen_len=n))
+      program = fn.lower(*args).compile()
+      self._programs[signature] = program
+      self.num_compilations += 1
+      logger.info("compiled sampler program %d: prompts=%d prompt_len=%d gen_len=%d samples=%d "
+                  "(%.1fs)", self.num_compilations, p, tp, n, g, time.perf_counter() - start)
+    return program
+
+  # -- the compiled program -------------------------------------------------
+
+  def _constrain_cache(self, cache):
+    if self.mesh is None:
+      return cache
+    from epgrpo_jax import sharding
+    return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
+
+  def _generate(self, graphdef, state, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,
+                num_samples: int, gen_len: int) -> SampleOutput:
+    cfg, g, n = self.config, num_samples, gen_len
+    model: Qwen2 = nnx.merge(graphdef, state)
+    p, tp = ids_PxTp.shape
+    b = p * g
+    cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
+    head_DxV = model.head_DxV()
+
+    def logits_of(hidden_BxD):
+      return jnp.dot(hidden_BxD, head_DxV, preferred_element_type=jnp.float32)
+
+    # Prefill each prompt once into a cache with room for the first segment, then give
+    # each of its G rows a copy (every cache leaf but the scalar index has batch first).
+    ends = segment_ends(n, cfg.decode_segments)
+    positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
+    hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
+                                 init_cache(model.cfg, p, tp + ends[0], cache_dtype))
+    logits_BxV = jnp.repeat(logits_of(hidden_PxTpxD[:, -1]), g, axis=0)
+    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
+    cache = self._constrain_cache(cache)
+
+    def emit(loop: _Loop, tokens_B, logp_B, entropy_B) -> _Loop:
+      live_B = ~loop.done_B
+      tokens_B = jnp.where(live_B, tokens_B, self.pad_id)
+      zero = jnp.float32(0)
+      return loop.replace(
+          step=loop.step + 1,
+          tokens_BxN=lax.dynamic_update_slice(loop.tokens_BxN, tokens_B[:, None], (0, loop.step)),
+          logp_BxN=lax.dynamic_update_slice(
+              loop.logp_BxN, jnp.where(live_B, logp_B, zero)[:, None], (0, loop.step)),
+          entropy_BxN=lax.dynamic_update_slice(
+              loop.entropy_BxN, jnp.where(live_B, entropy_B, zero)[:, None], (0, loop.step)),
+          done_B=loop.done_B | (live_B & jnp.any(tokens_B[:, None] == eos_E[None, :], axis=-1)),
+          lengths_B=jnp.where(live_B, loop.step + 1, loop.lengths_B),
+          last_B=tokens_B,
+          positions_B=loop.positions_B + 1)
+
+    def step_key(step):
+      return jax.random.fold_in(key, step)
+
+    prompt_len_B = jnp.repeat(jnp.sum(mask_PxTp, axis=-1, dtype=jnp.int32), g)
+    loop = _Loop(
+        step=jnp.zeros((), jnp.int32),
+        tokens_BxN=jnp.full((b, n), self.pad_id, jnp.int32),
+        logp_BxN=jnp.zeros((b, n), jnp.float32),
+        entropy_BxN=jnp.zeros((b, n), jnp.float32),
+        done_B=jnp.zeros((b,), bool),
+        lengths_B=jnp.zeros((b,), jnp.int32),
+        last_B=jnp.zeros((b,), jnp.int32),
+        positions_B=prompt_len_B - 1,
+        cache=cache)
+    loop = emit(loop, *sample_step(step_key(0), logits_BxV, cfg))
+
+    def cond(end: int, loop: _Loop):
+      return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B)
+
+    def body(loop: _Loop):
+      hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
+                                  jnp.ones((b, 1), bool), loop.cache)
+      loop = loop.replace(cache=self._constrain_cache(cache))
+      return emit(loop, *sample_step(step_key(loop.step), logits_of(hidden_Bx1xD[:, 0]), cfg))
+
+    # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a
+    # larger one (the same layout, more slots), so attention never reads more than it needs.
+    for j, end in enumerate(ends):
+      if j:
+        larger = init_cache(model.cfg, b, tp + end, cache_dtype)
+        cache = jax.tree.map(
+            lambda new, old: lax.dynamic_update_slice(new, old, (0,) * old.ndim) if old.ndim else old,
+            larger, loop.cache)
+        loop = loop.replace(cache=self._constrain_cache(cache))
+      loop = lax.while_loop(functools.partial(cond, end), body, loop)
+    mask_BxN = jnp.arange(n)[None, :] < loop.lengths_B[:, None]
+    shape = (p, g, n)
+    return SampleOutput(
+        tokens=loop.tokens_BxN.reshape(shape), mask=mask_BxN.reshape(shape),
+        logp=loop.logp_BxN.reshape(shape), entropy=loop.entropy_BxN.reshape(shape),
+        lengths=loop.lengths_B.reshape(p, g), prompt_ids=ids_PxTp, prompt_mask=mask_PxTp)

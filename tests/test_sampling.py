@@ -1,0 +1,321 @@
+"""Sampler tests: strategies against full-sort references, and the cached loop
+against full (no-cache) forward passes of a tiny fp32 model."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from epgrpo_jax import sampling
+from epgrpo_jax.models import Qwen2, preset
+from epgrpo_jax.sampling import Sampler, SamplingConfig, bucket, sample_step
+
+# ---------------------------------------------------------------------------
+# References: a full sort per row, the documented tie rule.
+
+
+def ref_top_k(x_V: np.ndarray, k: int) -> np.ndarray:
+  if k <= 0 or k >= x_V.size:
+    return np.ones(x_V.shape, bool)
+  return x_V >= np.sort(x_V)[::-1][k - 1]
+
+
+def ref_top_p(p_V: np.ndarray, top_p: float):
+  """(kept mask, ambiguous): keep p >= tau, tau the smallest probability of the
+  shortest sorted prefix with mass >= top_p. `ambiguous` flags rows where that
+  prefix's mass is so close to top_p that float summation order decides."""
+  s = np.sort(p_V)[::-1].astype(np.float64)
+  c = np.cumsum(s)
+  reach = np.nonzero(c >= top_p)[0]
+  m = reach[0] if reach.size else s.size - 1
+  ambiguous = bool(np.any(np.abs(c - top_p) < 1e-5))
+  return p_V >= s[m], ambiguous
+
+
+def softmax_np(x):
+  """The library's softmax form, so probabilities are bit-identical."""
+  return np.asarray(sampling._softmax(jnp.asarray(x, jnp.float32)))
+
+
+def ref_distribution(logits_V, temperature, top_k, top_p):
+  """Kept set and renormalised probabilities (float64) of temperature -> top-k -> top-p."""
+  x = (np.asarray(logits_V, np.float32) / np.float32(temperature)).astype(np.float32)
+  keep = ref_top_k(x, top_k)
+  if top_p < 1:
+    p = softmax_np(np.where(keep, x, -np.inf)[None])[0]
+    keep_p, ambiguous = ref_top_p(p, top_p)
+    assert not ambiguous
+    keep &= keep_p
+  w = np.where(keep, np.exp(x.astype(np.float64) - x.max()), 0.0)
+  return keep, w / w.sum()
+
+
+def random_logits(seed: int, rows: int, vocab: int) -> np.ndarray:
+  """Rows of varied shape: flat, peaked, and coarsely quantised (many exact ties)."""
+  rng = np.random.default_rng(seed)
+  scale = rng.choice([0.05, 1.0, 4.0], size=(rows, 1))
+  x = rng.normal(size=(rows, vocab)) * scale
+  quantised = rng.random((rows, 1)) < 0.4
+  x = np.where(quantised, np.round(x * 2) / 2, x)
+  return x.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------
+# Strategies.
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match=r"sampling.top_p: must be in \(0, 1\], got 1.5"):
+    SamplingConfig(top_p=1.5)
+  with pytest.raises(ValueError, match="sampling.top_p"):
+    SamplingConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="sampling.temperature"):
+    SamplingConfig(temperature=-1.0)
+  with pytest.raises(ValueError, match="sampling.top_k"):
+    SamplingConfig(top_k=-2)
+  with pytest.raises(ValueError, match="sampling.max_new_tokens"):
+    SamplingConfig(max_new_tokens=0)
+  with pytest.raises(ValueError, match="sampling.prompt_buckets"):
+    SamplingConfig(prompt_buckets=(32, 16))
+  with pytest.raises(ValueError, match="sampling.cache_dtype"):
+    SamplingConfig(cache_dtype="int8")
+  assert SamplingConfig(temperature=0.0).is_greedy and SamplingConfig(greedy=True).is_greedy
+  assert bucket(1, (16, 32)) == 16 and bucket(17, (16, 32)) == 32 and bucket(70, (16, 32)) == 96
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_top_p_mask_equals_full_sort(top_p):
+  logits = random_logits(1, 512, 64)
+  probs = softmax_np(logits)
+  got = np.asarray(jax.jit(sampling.top_p_mask, static_argnums=1)(jnp.asarray(probs), top_p))
+  checked = 0
+  for row in range(len(probs)):
+    want, ambiguous = ref_top_p(probs[row], top_p)
+    if not ambiguous:
+      np.testing.assert_array_equal(got[row], want, err_msg=f"row {row}")
+      checked += 1
+  assert checked > 400
+
+
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_top_k_mask_equals_full_sort(k):
+  logits = random_logits(2, 256, 64)
+  got = np.asarray(jax.jit(sampling.top_k_mask, static_argnums=1)(jnp.asarray(logits), k))
+  want = np.stack([ref_top_k(row, k) for row in logits])
+  np.testing.assert_array_equal(got, want)
+  assert (got.sum(-1) > k).any()  # some rows do tie at the k-th logit
+
+
+def test_top_k_then_top_p_equals_full_sort():
+  logits = random_logits(3, 256, 64)
+  got = np.asarray(jax.jit(lambda x: sampling.truncate(x, 10, 0.8))(jnp.asarray(logits)))
+  for row in range(len(logits)):
+    keep = ref_top_k(logits[row], 10)
+    p = softmax_np(np.where(keep, logits[row], -np.inf)[None])[0]
+    keep_p, ambiguous = ref_top_p(p, 0.8)
+    if not ambiguous:
+      np.testing.assert_array_equal(got[row], keep & keep_p, err_msg=f"row {row}")
+
+
+TIES = np.log(np.array([0.3, 0.2, 0.2, 0.2, 0.05, 0.03, 0.01, 0.01], np.float32))
+
+
+@pytest.mark.parametrize("logits,cfg,kept", [
+    # top-p 0.6: the prefix 0.3, 0.2, 0.2 reaches it at 0.2; all three tied 0.2s kept.
+    (TIES, SamplingConfig(top_p=0.6), 4),
+    # top-k 2: the 2nd largest is tied three ways; all kept.
+    (TIES, SamplingConfig(top_k=2), 4),
+    # top-k 5 (renormalise over 0.99), then top-p 0.5 at temperature 0.5.
+    (TIES, SamplingConfig(temperature=0.5, top_k=5, top_p=0.5), 4),
+    (np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32), SamplingConfig(top_p=0.9), 4),
+    (np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32), SamplingConfig(temperature=1.3), 6),
+])
+def test_sampling_frequencies_match_truncated_distribution(logits, cfg, kept):
+  keep, expected = ref_distribution(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+  assert keep.sum() == kept
+  draws = 60_000
+  keys = jax.random.split(jax.random.key(7), draws)
+  one = lambda key: sample_step(key, jnp.asarray(logits)[None], cfg)
+  tokens, logp, entropy = jax.jit(jax.vmap(one))(keys)
+  tokens = np.asarray(tokens[:, 0])
+  counts = np.bincount(tokens, minlength=logits.size)
+  assert counts[~keep].sum() == 0, counts
+  _, p_value = stats.chisquare(counts[keep], expected[keep] * draws)
+  assert p_value > 1e-3, (counts, expected * draws)
+  # logp / entropy: of the temperature-scaled full distribution.
+  full = jax.nn.log_softmax(jnp.asarray(logits) / cfg.temperature)
+  np.testing.assert_allclose(np.asarray(logp[:, 0]), np.asarray(full)[tokens], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(entropy[:, 0]), -np.sum(np.exp(full) * full), atol=1e-6)
+
+
+def test_categorical_never_draws_zero_weight():
+  w = np.zeros((4096, 100), np.float32)
+  w[:, [0, 37, 99]] = [1e-30, 0.5, 0.25]
+  tokens = np.asarray(jax.jit(sampling.categorical)(jax.random.key(0), jnp.asarray(w)))
+  assert set(np.unique(tokens)) <= {0, 37, 99}
+  assert abs((tokens == 37).mean() - 2 / 3) < 0.03
+
+
+# ---------------------------------------------------------------------------
+# The sampler on a tiny model.
+
+BUCKETS = dict(prompt_buckets=(8, 16), length_buckets=(8, 16))
+PROMPTS = [[5, 17, 33, 2, 60, 8, 71, 9], [44, 3, 90, 12, 7, 7, 21, 30, 65, 11, 4, 56]]
+
+
+@pytest.fixture(scope="module")
+def model():
+  """test-tiny in fp32 with a sharper output head, so argmaxes are never near-ties."""
+  m = Qwen2(preset("test-tiny"), rngs=nnx.Rngs(0))
+  m.lm_head[...] = m.lm_head[...] * 30.0
+  return m
+
+
+@functools.lru_cache(maxsize=None)
+def _full_logits_fn(graphdef):
+  @jax.jit
+  def full_logits(state, ids_BxL, mask_BxL):
+    m = nnx.merge(graphdef, state)
+    positions = jnp.maximum(jnp.cumsum(mask_BxL, -1) - 1, 0)
+    hidden, _ = m(ids_BxL, positions, mask_BxL)
+    return m.logits(hidden)
+  return full_logits
+
+
+def full_logits(model, ids_BxL, mask_BxL):
+  graphdef, state = nnx.split(model)
+  return _full_logits_fn(graphdef)(state, jnp.asarray(ids_BxL), jnp.asarray(mask_BxL))
+
+
+def sequences(out: sampling.SampleOutput):
+  """Prompt ++ completion rows [P * G, Tp + N] and their mask."""
+  p, g, n = out.tokens.shape
+  prompt_ids = np.repeat(np.asarray(out.prompt_ids), g, 0)
+  prompt_mask = np.repeat(np.asarray(out.prompt_mask), g, 0)
+  ids = np.concatenate([prompt_ids, np.asarray(out.tokens).reshape(p * g, n)], 1)
+  mask = np.concatenate([prompt_mask, np.asarray(out.mask).reshape(p * g, n)], 1)
+  return ids, mask
+
+
+@pytest.fixture(scope="module")
+def greedy_sampler():
+  return Sampler(SamplingConfig(greedy=True, max_new_tokens=12, **BUCKETS), eos_ids=(1,))
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(model, greedy_sampler):
+  out = greedy_sampler.sample(model, PROMPTS, 2, jax.random.key(0), eos_ids=(-5,))
+  assert out.tokens.shape == (2, 2, 12) and out.prompt_ids.shape == (2, 16)
+  np.testing.assert_array_equal(out.tokens[:, 0], out.tokens[:, 1])
+  assert np.asarray(out.mask).all() and (np.asarray(out.lengths) == 12).all()
+  ids = np.zeros((2, 16 + 12), np.int32)
+  mask = np.zeros((2, 16 + 12), bool)
+  ids[:, :16], mask[:, :16] = out.prompt_ids, out.prompt_mask
+  for i in range(12):
+    logits = full_logits(model, ids, mask)[:, 16 + i - 1]
+    ids[:, 16 + i], mask[:, 16 + i] = np.argmax(logits, -1), True
+  np.testing.assert_array_equal(np.asarray(out.tokens[:, 0]), ids[:, 16:])
+  # Greedy log-probs and entropies are those of temperature 1.
+  ref = jax.nn.log_softmax(full_logits(model, ids, mask)[:, 15:-1])
+  logp = np.take_along_axis(np.asarray(ref), ids[:, 16:, None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(out.logp[:, 0]), logp, atol=1e-5)
+
+
+def test_eos_stops_a_row_and_masks_the_rest(model, greedy_sampler):
+  free = np.asarray(greedy_sampler.sample(model, PROMPTS, 2, jax.random.key(0), eos_ids=(-5,)).tokens[:, 0])
+  # A stop id that row 0 first produces at step >= 2 and row 1 never produces.
+  stop = next(t for i, t in enumerate(free[0]) if i >= 2 and t not in free[0][:i] and t not in free[1])
+  k = int(np.argmax(free[0] == stop))
+  before = greedy_sampler.num_compilations
+  out = greedy_sampler.sample(model, PROMPTS, 2, jax.random.key(0), eos_ids=(int(stop),))
+  assert greedy_sampler.num_compilations == before  # stop ids are an argument, not a constant
+  tokens, mask, logp = (np.asarray(a) for a in (out.tokens, out.mask, out.logp))
+  np.testing.assert_array_equal(np.asarray(out.lengths), [[k + 1] * 2, [12] * 2])
+  np.testing.assert_array_equal(tokens[0, :, :k + 1], np.broadcast_to(free[0, :k + 1], (2, k + 1)))
+  assert (tokens[0, :, k + 1:] == 0).all()  # the pad id
+  assert mask[0, :, :k + 1].all() and not mask[0, :, k + 1:].any()
+  assert (logp[0, :, k + 1:] == 0).all() and (logp[0, :, :k + 1] < 0).all()
+  np.testing.assert_array_equal(tokens[1, 0], free[1])
+  assert mask[1].all()
+
+
+def test_left_padded_prompt_continues_like_unpadded(model, greedy_sampler):
+  padded = greedy_sampler.sample(model, PROMPTS, 1, jax.random.key(0), eos_ids=(-5,))
+  alone = greedy_sampler.sample(model, PROMPTS[:1] + [[3] * 8], 1, jax.random.key(0), eos_ids=(-5,))
+  assert padded.prompt_ids.shape == (2, 16) and alone.prompt_ids.shape == (2, 8)
+  assert not np.asarray(padded.prompt_mask)[0, :8].any() and np.asarray(alone.prompt_mask).all()
+  np.testing.assert_array_equal(np.asarray(padded.tokens[0]), np.asarray(alone.tokens[0]))
+  np.testing.assert_allclose(np.asarray(padded.logp[0]), np.asarray(alone.logp[0]), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def nucleus_sampler():
+  return Sampler(SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, **BUCKETS),
+                 eos_ids=(1,))
+
+
+def test_logp_and_entropy_equal_a_scoring_pass(model, nucleus_sampler):
+  out = nucleus_sampler.sample(model, PROMPTS, 4, jax.random.key(3))
+  ids, mask = sequences(out)
+  tp = out.prompt_ids.shape[1]
+  logits = np.asarray(full_logits(model, ids, mask))[:, tp - 1:-1] / np.float32(0.7)
+  logp_full = np.asarray(jax.nn.log_softmax(jnp.asarray(logits)))
+  logp = np.take_along_axis(logp_full, ids[:, tp:, None], -1)[..., 0]
+  entropy = -np.sum(np.exp(logp_full) * logp_full, -1)
+  m = mask[:, tp:]
+  assert m.sum() > 40
+  np.testing.assert_allclose(np.asarray(out.logp).reshape(m.shape)[m], logp[m], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.entropy).reshape(m.shape)[m], entropy[m], atol=1e-5)
+  assert (np.asarray(out.logp).reshape(m.shape)[~m] == 0).all()
+  # Every sampled token is in the top-p set of the scoring pass's distribution.
+  for row, col in zip(*np.nonzero(m)):
+    keep, ambiguous = ref_top_p(softmax_np(logits[row, col][None])[0], 0.9)
+    assert ambiguous or keep[ids[row, tp + col]]
+
+
+def test_same_key_same_output_and_no_recompilation(model, nucleus_sampler):
+  a = nucleus_sampler.sample(model, PROMPTS, 4, jax.random.key(11))
+  count = nucleus_sampler.num_compilations
+  b = nucleus_sampler.sample(model, PROMPTS, 4, jax.random.key(11))
+  c = nucleus_sampler.sample(model, PROMPTS, 4, jax.random.key(12))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+  # Other prompt lengths in the same bucket, fewer new tokens, new weights: same program.
+  ragged = [[9, 8, 7], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+  short = nucleus_sampler.sample(model, ragged, 4, jax.random.key(1), max_new_tokens=10)
+  assert short.tokens.shape == (2, 4, 10)
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: x * 1.01, state)
+  nucleus_sampler.sample((graphdef, state), PROMPTS, 4, jax.random.key(1))
+  assert nucleus_sampler.num_compilations == count
+
+
+def test_prompts_as_padded_arrays(nucleus_sampler):
+  ids = np.array([[4, 5, 6, 0, 0], [7, 8, 9, 10, 11]])
+  mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+  got_ids, got_mask = nucleus_sampler.prepare_prompts((ids, mask))
+  want_ids, want_mask = nucleus_sampler.prepare_prompts([[4, 5, 6], [7, 8, 9, 10, 11]])
+  np.testing.assert_array_equal(got_ids, want_ids)
+  np.testing.assert_array_equal(got_mask, want_mask)
+  assert got_ids.shape == (2, 8) and got_ids[0].tolist() == [0] * 5 + [4, 5, 6]
+  with pytest.raises(ValueError, match=r"prompts\[1\]: empty"):
+    nucleus_sampler.prepare_prompts([[1], []])
+
+
+def test_sharded_sampling_matches_single_device(model, greedy_sampler, caplog):
+  from epgrpo_jax import sharding
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+  graphdef, state = nnx.split(model)
+  state = jax.device_put(state, sharding.state_shardings(state, mesh))
+  sharded = Sampler(greedy_sampler.config, eos_ids=(-5,), mesh=mesh)
+  with caplog.at_level("INFO", logger="epgrpo_jax.sampling"):
+    got = sharded.sample((graphdef, state), PROMPTS, 2, jax.random.key(0))
+  assert sharded.num_compilations == 1
+  assert "prompts=2 prompt_len=16 gen_len=16 samples=2" in caplog.text
+  want = greedy_sampler.sample(model, PROMPTS, 2, jax.random.key(0), eos_ids=(-5,))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-5)
