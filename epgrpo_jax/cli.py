@@ -1,0 +1,52 @@
+"""Shared command-line behaviour: one-line errors, exit codes, logging."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from typing import Callable
+
+USAGE_ERROR = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose usage errors are one line on stderr and exit 2."""
+
+  def error(self, message: str):
+    print(f"{self.prog}: error: {message}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+
+
+def setup_logging(debug: bool = False) -> None:
+  logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                      format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+  for noisy in ("absl", "jax._src", "orbax", "urllib3", "httpx", "transformers"):
+    logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.WARNING)
+
+
+def run_main(fn: Callable[[], int], *, debug: bool = False) -> int:
+  """Runs `fn`; bad input (config, files) becomes one line on stderr and exit 2."""
+  from epgrpo_jax.configlib import ConfigError
+  try:
+    return fn()
+  except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+    if debug:
+      traceback.print_exc()
+    print(f"error: {_one_line(e)}", file=sys.stderr)
+    return USAGE_ERROR
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:  # a failure of the run itself: still one line unless --debug
+    if debug:
+      raise
+    print(f"error: {type(e).__name__}: {_one_line(e)} (run with --debug for the traceback)",
+          file=sys.stderr)
+    return 1
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return text.splitlines()[0]

@@ -1,0 +1,207 @@
+"""The training configuration: one typed, self-validating dataclass per section.
+
+`configs/default.yaml` holds the defaults users see; the dataclass defaults
+here equal the embedded default so that an empty config is a valid run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from epgrpo_jax import configlib
+from epgrpo_jax.advantages import AdvantageConfig
+from epgrpo_jax.data import DataConfig
+from epgrpo_jax.losses import LossConfig
+from epgrpo_jax.models import LoraConfig
+from epgrpo_jax.rewards import RewardConfig
+from epgrpo_jax.sampling import SamplingConfig
+from epgrpo_jax.sharding import MeshConfig
+
+EMBEDDED = "embedded"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _positive(section: str, obj, *names: str) -> None:
+  for name in names:
+    value = getattr(obj, name)
+    if value <= 0:
+      raise ValueError(f"{section}.{name}: must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  path: str = EMBEDDED  # a local HF directory, or "embedded" (the built-in tiny model)
+  dtype: str = "float32"  # compute dtype: float32 or bfloat16
+  param_dtype: str = "float32"  # frozen base weights; trainable weights are always float32
+  full_finetune: bool = False  # train every weight (reference = frozen copy) instead of LoRA
+  remat: bool = False  # rematerialise decoder layers in the backward pass (long sequences)
+
+  def __post_init__(self):
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16"):
+        raise ValueError(f"model.{name}: must be float32 or bfloat16, got {getattr(self, name)!r}")
+    if self.path != EMBEDDED:
+      p = Path(self.path).expanduser()
+      if not p.is_dir():
+        raise ValueError(f"model.path: not a directory: {self.path}")
+      if not (p / "config.json").is_file():
+        raise ValueError(f"model.path: no config.json in {self.path}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 5e-6
+  warmup_ratio: float = 0.1
+  weight_decay: float = 0.001
+  max_grad_norm: float = 1.0  # 0: no clipping
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+
+  def __post_init__(self):
+    _positive("optim", self, "learning_rate", "eps")
+    if not 0 <= self.warmup_ratio < 1:
+      raise ValueError(f"optim.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+    if self.weight_decay < 0 or self.max_grad_norm < 0:
+      raise ValueError("optim.weight_decay, optim.max_grad_norm: must be >= 0")
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"optim.{name}: must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+  steps: int = 60  # RL steps (one generation batch each)
+  prompts_per_step: int = 16  # P, global
+  num_generations: int = 8  # G responses per prompt
+  num_iterations: int = 1  # passes over each generation batch
+  mini_batches: int = 1  # optimizer updates per pass (the batch split in equal parts)
+  seed: int = 42
+  output_dir: str = "runs/default"
+  reuse_sampler_logprobs: bool = False  # skip the scoring pass; use the sampler's log-probs
+  max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
+
+  def __post_init__(self):
+    _positive("train", self, "steps", "prompts_per_step", "num_generations", "num_iterations",
+              "mini_batches", "max_consecutive_skips")
+    if (self.prompts_per_step * self.num_generations) % self.mini_batches:
+      raise ValueError(f"train.mini_batches: {self.mini_batches} does not divide the "
+                       f"{self.prompts_per_step * self.num_generations} sequences of a step")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  every: int = 0  # RL steps between held-out evaluations (0: only before and after)
+  before: bool = True  # evaluate the starting policy
+  after: bool = True  # evaluate the final policy
+  samples: int = 4  # samples per held-out problem
+  temperature: float = 1.0
+  top_p: float = 1.0
+  max_new_tokens: int = 0  # 0: sampling.max_new_tokens
+  prompts_per_batch: int = 64
+
+  def __post_init__(self):
+    _positive("eval", self, "samples", "prompts_per_batch")
+    if self.every < 0 or self.max_new_tokens < 0 or self.temperature < 0:
+      raise ValueError("eval.every, eval.max_new_tokens, eval.temperature: must be >= 0")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"eval.top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 0  # RL steps between checkpoints (0: only at the end)
+  keep: int = 3
+  resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
+
+  def __post_init__(self):
+    if self.every < 0:
+      raise ValueError(f"checkpoint.every: must be >= 0, got {self.every}")
+    _positive("checkpoint", self, "keep")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+  progress: bool = True
+  tensorboard: bool = True
+  wandb_project: str = ""  # set to log to W&B as well (when installed)
+  samples_every: int = 10  # RL steps between dumps of sampled completions (0: never)
+  samples_count: int = 4  # groups per dump
+
+  def __post_init__(self):
+    if self.samples_every < 0 or self.samples_count < 0:
+      raise ValueError("logging.samples_every, logging.samples_count: must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Multi-process runs; empty values fall back to JAX's cluster auto-detection."""
+
+  coordinator_address: str = ""  # host:port of process 0
+  num_processes: int = 0  # 0: auto / single process
+  process_id: int = -1  # -1: auto
+  initialize: bool = False  # call jax.distributed.initialize
+
+  def __post_init__(self):
+    if self.num_processes < 0:
+      raise ValueError(f"distributed.num_processes: must be >= 0, got {self.num_processes}")
+    if self.num_processes and not -1 <= self.process_id < self.num_processes:
+      raise ValueError(f"distributed.process_id: must be in [0, {self.num_processes}), "
+                       f"got {self.process_id}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedConfig:
+  """The built-in tiny model and arithmetic task (used when model.path is 'embedded')."""
+
+  data_dir: str = ""  # "" : $EPGRPO_DATA_DIR or ~/.cache/epgrpo_jax
+  seed: int = 0
+  sft_steps: int = 300
+  sft_learning_rate: float = 3e-3
+  sft_batch_size: int = 64
+  heldout_problems: int = 128
+
+  def __post_init__(self):
+    _positive("embedded", self, "sft_steps", "sft_learning_rate", "sft_batch_size",
+              "heldout_problems")
+
+  def resolved_data_dir(self) -> Path:
+    if self.data_dir:
+      return Path(self.data_dir).expanduser()
+    return Path(os.environ.get("EPGRPO_DATA_DIR", Path.home() / ".cache" / "epgrpo_jax"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  model: ModelSection = ModelSection()
+  lora: LoraConfig = LoraConfig()
+  data: DataConfig = DataConfig()
+  sampling: SamplingConfig = SamplingConfig()
+  reward: RewardConfig = RewardConfig()
+  advantage: AdvantageConfig = AdvantageConfig()
+  loss: LossConfig = LossConfig()
+  optim: OptimConfig = OptimConfig()
+  train: TrainSection = TrainSection()
+  eval: EvalSection = EvalSection()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  logging: LoggingConfig = LoggingConfig()
+  mesh: MeshConfig = MeshConfig()
+  distributed: DistributedConfig = DistributedConfig()
+  embedded: EmbeddedConfig = EmbeddedConfig()
+
+  def replace(self, **sections) -> "TrainConfig":
+    return dataclasses.replace(self, **sections)
+
+  def override(self, *items: str) -> "TrainConfig":
+    """A copy with dotted `key=value` overrides applied (validated)."""
+    data = configlib.deep_merge(configlib.to_dict(self), configlib.parse_overrides(list(items)))
+    return configlib.build(TrainConfig, data)
+
+
+def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+  """TrainConfig from a YAML file (default: configs/default.yaml when present) and overrides."""
+  default = CONFIG_DIR / "default.yaml"
+  return configlib.load(TrainConfig, config_file, overrides,
+                        defaults_file=default if default.is_file() else None)

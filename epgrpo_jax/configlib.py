@@ -1,0 +1,184 @@
+"""Typed configuration from YAML files and `key=value` overrides.
+
+Any frozen dataclass tree can be loaded: a YAML file may name a `base:` file
+(relative to itself) whose values it overrides; command-line overrides use
+dotted keys (`train.steps=100`) with YAML-typed values. Every value is checked
+against the field's type, and each dataclass validates its own ranges, so that
+a bad key or value fails with one line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A configuration problem, stated in one line that names the key."""
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+  """Reads a YAML config, merging it over its `base:` chain."""
+  path = Path(path)
+  if not path.is_file():
+    raise ConfigError(f"--config: file not found: {path}")
+  try:
+    data = yaml.safe_load(path.read_text()) or {}
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1})" if mark else ""
+    raise ConfigError(f"{path}: invalid YAML{where}") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: top level must be a mapping of sections")
+  base = data.pop("base", None)
+  if base is None:
+    return data
+  return deep_merge(load_yaml(path.parent / base), data)
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+  out = dict(base)
+  for k, v in over.items():
+    out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+  """['train.steps=10', 'lora.targets=[q,v]'] -> nested dict with YAML-typed values."""
+  out: dict[str, Any] = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+      raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
+    try:
+      value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+      value = raw
+    node = out
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"override {item!r}: {p!r} is set both as a value and a section")
+    node[leaf] = value
+  return out
+
+
+def _type_name(tp) -> str:
+  return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def coerce(tp, value: Any, key: str):
+  """Checks `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
+  origin = typing.get_origin(tp)
+  if origin in (typing.Union, types.UnionType):
+    options = typing.get_args(tp)
+    if value is None and type(None) in options:
+      return None
+    errors = []
+    for option in options:
+      if option is type(None):
+        continue
+      try:
+        return coerce(option, value, key)
+      except ConfigError as e:
+        errors.append(e)
+    raise errors[0] if len(errors) == 1 else ConfigError(
+        f"{key}: expected {' or '.join(_type_name(o) for o in options)}, got {value!r}")
+  if origin is typing.Literal:
+    if value not in typing.get_args(tp):
+      raise ConfigError(f"{key}: must be one of {list(typing.get_args(tp))}, got {value!r}")
+    return value
+  if origin in (tuple, list):
+    args = typing.get_args(tp)
+    if isinstance(value, str):
+      value = [v.strip() for v in value.split(",") if v.strip()] if value else []
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{key}: expected a list, got {value!r}")
+    item_tp = args[0] if args else Any
+    return tuple(coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
+  if dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):
+      return value
+    if not isinstance(value, dict):
+      raise ConfigError(f"{key}: expected a section (mapping), got {value!r}")
+    return build(tp, value, prefix=key + ".")
+  if tp is Any:
+    return value
+  if tp is bool:
+    if isinstance(value, bool):
+      return value
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+  if tp is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise ConfigError(f"{key}: expected an integer, got {value!r}")
+  if tp is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
+    raise ConfigError(f"{key}: expected a number, got {value!r}")
+  if tp is str:
+    if isinstance(value, str):
+      return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return str(value)
+    raise ConfigError(f"{key}: expected a string, got {value!r}")
+  if isinstance(tp, type) and isinstance(value, tp):
+    return value
+  raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def build(cls, data: dict[str, Any], prefix: str = ""):
+  """Instantiates dataclass `cls` from a nested dict, naming any bad key."""
+  if not isinstance(data, dict):
+    raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+  fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for key, value in data.items():
+    if key not in fields:
+      close = difflib.get_close_matches(str(key), list(fields), n=1)
+      hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+      raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+    kwargs[key] = coerce(hints[key], value, prefix + key)
+  try:
+    return cls(**kwargs)
+  except ConfigError:
+    raise
+  except (ValueError, TypeError) as e:
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if prefix and not message.startswith(prefix.rstrip(".").split(".")[0]):
+      message = f"{prefix.rstrip('.')}: {message}"
+    raise ConfigError(message) from None
+
+
+def to_dict(obj) -> Any:
+  """A dataclass tree as plain YAML-able data."""
+  if dataclasses.is_dataclass(obj):
+    return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+  if isinstance(obj, tuple):
+    return [to_dict(v) for v in obj]
+  return obj
+
+
+def load(cls, config_file: str | Path | None = None, overrides: list[str] = (),
+         defaults_file: str | Path | None = None):
+  """`cls` from an optional YAML file (or `defaults_file`) plus dotted overrides."""
+  data: dict[str, Any] = {}
+  if config_file is not None:
+    data = load_yaml(config_file)
+  elif defaults_file is not None:
+    data = load_yaml(defaults_file)
+  data = deep_merge(data, parse_overrides(list(overrides)))
+  return build(cls, data)

@@ -1,0 +1,240 @@
+"""Problem/answer datasets: reading, validation with counted skips, prompts, Grain batches.
+
+Rows come from JSONL, a JSON array, or Parquet; fields are named by config
+(dotted paths reach nested fields, e.g. `reward_model.ground_truth`). A row that
+cannot be used is skipped and counted under a reason; nothing is silently
+dropped or truncated. Training batches are drawn by a Grain `MapDataset` of row
+indices (shuffled per epoch by seed, sharded per process) whose iterator state
+is checkpointed with the run.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grain
+import numpy as np
+
+log = logging.getLogger("epgrpo_jax.data")
+
+SKIP_REASONS = ("bad_json", "not_utf8", "not_an_object", "missing_problem", "missing_answer",
+                "empty_problem", "empty_answer", "prompt_too_long", "unparsable_answer")
+
+# The paper's math prompt, used when a model has no chat template.
+MATH_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answer within "
+                 "\\boxed{}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where problems come from and how they become prompts."""
+
+  train_files: tuple[str, ...] = ()  # empty: the embedded arithmetic task
+  heldout_file: str = ""  # empty: the embedded task's held-out split (or none)
+  problem_field: str = "problem"
+  answer_field: str = "answer"
+  id_field: str = ""
+  prompt_template: str = MATH_TEMPLATE  # user message; must contain {problem}
+  use_chat_template: bool = True  # wrap the user message in the tokenizer's chat template
+  system_prompt: str = ""  # empty: the chat template's default
+  max_prompt_tokens: int = 512
+  heldout_limit: int = 0  # 0: every held-out problem
+  shuffle: bool = True
+
+  def __post_init__(self):
+    if "{problem}" not in self.prompt_template:
+      raise ValueError("data.prompt_template: must contain {problem}")
+    if self.max_prompt_tokens < 1:
+      raise ValueError(f"data.max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens}")
+    if self.heldout_limit < 0:
+      raise ValueError(f"data.heldout_limit: must be >= 0, got {self.heldout_limit}")
+    for f in self.train_files:
+      if not Path(f).is_file():
+        raise ValueError(f"data.train_files: file not found: {f}")
+    if self.heldout_file and not Path(self.heldout_file).is_file():
+      raise ValueError(f"data.heldout_file: file not found: {self.heldout_file}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One usable problem: its text, gold answer, and tokenised prompt."""
+
+  id: str
+  problem: str
+  answer: str
+  prompt_ids: tuple[int, ...]
+
+
+class SkipCounts(collections.Counter):
+  """Skipped rows per reason."""
+
+  def summary(self) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(self.items()) if v) or "none"
+
+
+def get_field(row: dict, dotted: str) -> Any:
+  """`row['a']['b']` for 'a.b'; integer parts index lists ('prompt.0.content')."""
+  node: Any = row
+  for part in dotted.split("."):
+    if isinstance(node, dict) and part in node:
+      node = node[part]
+    elif isinstance(node, (list, tuple)) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+      node = node[int(part)]
+    else:
+      return None
+  return node
+
+
+def read_rows(path: str | Path, skips: SkipCounts) -> list[dict]:
+  """Rows of a JSONL, JSON-array or Parquet file; unreadable JSONL lines are counted."""
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"{path}: file not found")
+  suffix = path.suffix.lower()
+  if suffix == ".parquet":
+    import pyarrow.parquet as pq
+    try:
+      return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises several types
+      raise ValueError(f"{path}: unreadable Parquet file ({e})") from None
+  raw = path.read_bytes()
+  if suffix == ".json":
+    try:
+      data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+      raise ValueError(f"{path}: not UTF-8") from None
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}
+      lists = [v for v in data.values() if isinstance(v, list)]
+      data = lists[0] if len(lists) == 1 else None
+    if not isinstance(data, list):
+      raise ValueError(f"{path}: expected a JSON array of rows")
+    return data
+  rows = []
+  for lineno, line in enumerate(raw.split(b"\n"), 1):
+    if not line.strip():
+      continue
+    try:
+      text = line.decode("utf-8")
+    except UnicodeDecodeError:
+      skips["not_utf8"] += 1
+      log.warning("%s:%d: skipped (not UTF-8)", path, lineno)
+      continue
+    try:
+      rows.append(json.loads(text))
+    except json.JSONDecodeError:
+      skips["bad_json"] += 1
+      log.warning("%s:%d: skipped (invalid JSON)", path, lineno)
+  return rows
+
+
+def _text(value: Any) -> str | None:
+  if value is None:
+    return None
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)  # AMC-style float answers: 27.0 -> "27"
+  return str(value).strip()
+
+
+class PromptRenderer:
+  """Problem text -> prompt string -> token ids, with the chat template or a plain one."""
+
+  def __init__(self, tokenizer, cfg: DataConfig):
+    self.tokenizer = tokenizer
+    self.cfg = cfg
+    self.chat = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+  def text(self, problem: str) -> str:
+    user = self.cfg.prompt_template.replace("{problem}", problem)
+    if not self.chat:
+      return user
+    messages = [{"role": "user", "content": user}]
+    if self.cfg.system_prompt:
+      messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+  def ids(self, problem: str) -> list[int]:
+    return list(self.tokenizer(self.text(problem), add_special_tokens=False)["input_ids"])
+
+
+def prepare(rows: Sequence[dict], renderer: PromptRenderer, cfg: DataConfig, skips: SkipCounts,
+            source: str = "", answer_ok: Callable[[str], bool] | None = None,
+            answer_of: Callable[[dict], Any] | None = None) -> list[Example]:
+  """Validates rows into Examples; every unusable row is counted under its reason."""
+  examples = []
+  for i, row in enumerate(rows):
+    if not isinstance(row, dict):
+      skips["not_an_object"] += 1
+      continue
+    problem = _text(get_field(row, cfg.problem_field))
+    answer = _text(answer_of(row) if answer_of else get_field(row, cfg.answer_field))
+    reason = None
+    if problem is None:
+      reason = "missing_problem"
+    elif answer is None:
+      reason = "missing_answer"
+    elif not problem:
+      reason = "empty_problem"
+    elif not answer:
+      reason = "empty_answer"
+    elif answer_ok is not None and not answer_ok(answer):
+      reason = "unparsable_answer"
+    ids = renderer.ids(problem) if reason is None else []
+    if reason is None and len(ids) > cfg.max_prompt_tokens:
+      reason = "prompt_too_long"
+    if reason is not None:
+      skips[reason] += 1
+      log.debug("%s row %d: skipped (%s)", source, i, reason)
+      continue
+    rid = _text(get_field(row, cfg.id_field)) if cfg.id_field else None
+    examples.append(Example(id=rid or f"{Path(source).stem}:{i}", problem=problem, answer=answer,
+                            prompt_ids=tuple(ids)))
+  return examples
+
+
+def load_examples(files: Sequence[str | Path], renderer: PromptRenderer, cfg: DataConfig,
+                  answer_ok: Callable[[str], bool] | None = None) -> tuple[list[Example], SkipCounts]:
+  """All usable examples of `files`; raises if none is usable."""
+  skips = SkipCounts()
+  examples: list[Example] = []
+  for f in files:
+    examples += prepare(read_rows(f, skips), renderer, cfg, skips, source=str(f), answer_ok=answer_ok)
+  if not examples:
+    names = ", ".join(map(str, files))
+    raise ValueError(f"{names}: no usable row (skipped: {skips.summary()}; fields "
+                     f"data.problem_field={cfg.problem_field!r}, data.answer_field={cfg.answer_field!r})")
+  return examples, skips
+
+
+def batch_iterator(num_examples: int, batch_size: int, *, seed: int, shuffle: bool = True,
+                   shard_index: int = 0, shard_count: int = 1) -> grain.DatasetIterator:
+  """An endless, checkpointable iterator of index batches `[batch_size]` for this process.
+
+  Each process reads a disjoint slice of the rows; each epoch is reshuffled.
+  """
+  ds = grain.MapDataset.range(num_examples)[shard_index::shard_count]
+  if len(ds) < batch_size:
+    raise ValueError(f"train.prompts_per_step: {batch_size} prompts per process but only "
+                     f"{len(ds)} usable rows on this process")
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  return iter(ds.repeat(None).batch(batch_size, drop_remainder=True))
+
+
+def pad_left(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists to `length`: (ids [N, length] int32, mask [N, length] bool)."""
+  ids = np.full((len(seqs), length), pad_id, np.int32)
+  mask = np.zeros((len(seqs), length), bool)
+  for i, s in enumerate(seqs):
+    if len(s) > length:
+      raise ValueError(f"sequence of {len(s)} tokens does not fit in {length}")
+    if s:
+      ids[i, length - len(s):] = s
+      mask[i, length - len(s):] = True
+  return ids, mask

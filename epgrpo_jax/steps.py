@@ -1,0 +1,161 @@
+"""The jitted device work of an RL step: scoring passes and the update.
+
+Each function is pure over arrays and NNX states. `Policy` splits the model
+once into a static graph, the trainable state (LoRA adapters, or every weight
+for full fine-tuning), the frozen state, and, for full fine-tuning only, a
+frozen copy of the initial weights as the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from epgrpo_jax import losses
+from epgrpo_jax.models import Qwen2
+
+
+@struct.dataclass
+class Rollout:
+  """Flattened rows (B = prompts x samples) of prompts and sampled completions."""
+
+  prompt_ids: jax.Array  # [B, Tp] int32, left-padded
+  prompt_mask: jax.Array  # [B, Tp] bool
+  completion: jax.Array  # [B, N] int32
+  completion_mask: jax.Array  # [B, N] bool
+
+
+@struct.dataclass
+class UpdateBatch:
+  rollout: Rollout
+  logp_old: jax.Array  # [B, N]
+  logp_ref: jax.Array  # [B, N]
+  advantage: jax.Array  # [B, N]
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The model split for jitted functions: graph, trainable, frozen, reference."""
+
+  graphdef: Any
+  trainable: nnx.State
+  frozen: nnx.State
+  reference: nnx.State | None  # full fine-tuning only; LoRA switches adapters off instead
+
+  @classmethod
+  def from_model(cls, model: Qwen2, full_finetune: bool) -> "Policy":
+    if full_finetune:
+      graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
+      reference = jax.tree.map(jnp.copy, trainable)
+    else:
+      if model.lora is None:
+        raise ValueError("lora: the model has no adapters; set model.full_finetune=true or "
+                         "configure lora")
+      graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
+      reference = None
+    return cls(graphdef, trainable, frozen, reference)
+
+  def model(self) -> Qwen2:
+    return nnx.merge(self.graphdef, self.frozen, self.trainable)
+
+
+def completion_logprobs(model: Qwen2, rollout: Rollout, *, temperature: float,
+                        adapters: bool = True, token_chunk: int = 1024,
+                        vocab_chunk: int = 8192) -> tuple[jax.Array, jax.Array]:
+  """Per-token log-prob and entropy of each completion under `model` ([B, N] float32).
+
+  One forward over prompt + completion (minus its last token); the hidden state
+  before each completion token predicts it, at `temperature` as sampled.
+  """
+  tp = rollout.prompt_ids.shape[1]
+  tokens_BxL = jnp.concatenate([rollout.prompt_ids, rollout.completion], axis=1)[:, :-1]
+  mask_BxL = jnp.concatenate([rollout.prompt_mask, rollout.completion_mask], axis=1)[:, :-1]
+  positions_BxL = jnp.maximum(jnp.cumsum(mask_BxL, axis=1) - 1, 0)
+  hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters)
+  hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
+  return losses.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion,
+                                      temperature=temperature, token_chunk=token_chunk,
+                                      vocab_chunk=vocab_chunk)
+
+
+def score(graphdef, trainable: nnx.State, frozen: nnx.State, reference: nnx.State | None,
+          rollout: Rollout, *, temperature: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The scoring pass (old log-probs, entropies) and the reference pass, in one program."""
+  model = nnx.merge(graphdef, frozen, trainable)
+  logp_old, entropy = completion_logprobs(model, rollout, temperature=temperature)
+  if reference is None:
+    logp_ref, _ = completion_logprobs(model, rollout, temperature=temperature, adapters=False)
+  else:
+    ref_model = nnx.merge(graphdef, frozen, reference)
+    logp_ref, _ = completion_logprobs(ref_model, rollout, temperature=temperature)
+  return logp_old, entropy, logp_ref
+
+
+def make_optimizer(learning_rate: float, total_updates: int, *, warmup_ratio: float,
+                   weight_decay: float, max_grad_norm: float, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8) -> tuple[optax.GradientTransformation, Any]:
+  """AdamW with linear warm-up over `warmup_ratio` of the updates, then linear decay to 0."""
+  warmup = max(int(round(warmup_ratio * total_updates)), 0)
+  decay = max(total_updates - warmup, 1)
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(0.0, learning_rate, max(warmup, 1)),
+       optax.linear_schedule(learning_rate, 0.0, decay)],
+      boundaries=[warmup]) if warmup else optax.linear_schedule(learning_rate, 0.0, decay)
+  parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
+  parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+  return optax.chain(*parts), schedule
+
+
+def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
+           frozen: nnx.State, batch: UpdateBatch, *, loss_cfg: losses.LossConfig,
+           temperature: float, on_policy: bool, grad_fault: jax.Array | None = None):
+  """One optimizer update with the clipped-surrogate loss; skipped if loss or grads are not finite.
+
+  `on_policy`: the first and only update on this rollout, so pi_old = pi_theta and
+  the ratio is exactly 1 (`logp_old` is the stop-gradient of the new log-probs).
+  `grad_fault` (tests only) is added to the gradients.
+  """
+  rollout = batch.rollout
+
+  def loss_fn(tr):
+    model = nnx.merge(graphdef, frozen, tr)
+    logp, entropy = completion_logprobs(model, rollout, temperature=temperature)
+    logp_old = jax.lax.stop_gradient(logp) if on_policy else batch.logp_old
+    return losses.policy_loss(logp, logp_old, batch.logp_ref, batch.advantage,
+                              rollout.completion_mask, loss_cfg, entropy_BxT=entropy)
+
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+  if grad_fault is not None:
+    grads = jax.tree.map(lambda g: g + grad_fault.astype(g.dtype), grads)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, new_opt_state = tx.update(grads, opt_state, trainable)
+  new_trainable = optax.apply_updates(trainable, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  new_trainable = keep(new_trainable, trainable)
+  new_opt_state = keep(new_opt_state, opt_state)
+  metrics = dict(aux, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
+  return new_trainable, new_opt_state, metrics
+
+
+class StepFunctions:
+  """The jitted score and update programs of a run (compiled once per shape).
+
+  Only the graph definition and configuration are closed over; every array
+  (trainable, frozen, reference, batch) is an argument, and the update donates
+  the trainable and optimizer states.
+  """
+
+  def __init__(self, graphdef, tx: optax.GradientTransformation, *,
+               loss_cfg: losses.LossConfig, temperature: float, on_policy: bool):
+    self.score = jax.jit(functools.partial(score, graphdef, temperature=temperature))
+    self.update = jax.jit(
+        functools.partial(update, graphdef, tx, loss_cfg=loss_cfg, temperature=temperature,
+                          on_policy=on_policy),
+        donate_argnums=(0, 1))

@@ -1,0 +1,492 @@
+"""The EP-GRPO training loop: sample -> score -> advantage -> update, with checkpoints.
+
+`train(cfg)` is the whole run; `Trainer.step` is one RL step and reads top to
+bottom. Host work (decoding text, rewards) overlaps the scoring pass on the
+device; everything on the device is a jitted function of `steps`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from epgrpo_jax import advantages, configlib, data, evaluate, steps
+from epgrpo_jax.checkpointing import Checkpointer
+from epgrpo_jax.config import EMBEDDED, TrainConfig
+from epgrpo_jax.metrics import MetricsWriter, Progress
+from epgrpo_jax.models import from_pretrained, load_tokenizer, save_pretrained, stop_token_ids
+from epgrpo_jax.rewards import RewardScorer, parse_gold
+from epgrpo_jax.sampling import Sampler, bucket
+from epgrpo_jax.steps import Policy, Rollout, StepFunctions, UpdateBatch
+
+log = logging.getLogger("epgrpo_jax.trainer")
+
+
+class TrainingError(RuntimeError):
+  """The run cannot continue (e.g. too many non-finite updates in a row)."""
+
+
+@dataclasses.dataclass
+class RunState:
+  """Everything a checkpoint restores."""
+
+  trainable: nnx.State
+  opt_state: Any
+  key: jax.Array
+  step: int = 0
+  consecutive_skips: int = 0
+  skipped_updates: int = 0
+  num_tokens: int = 0
+
+  def tree(self) -> dict:
+    return {"trainable": self.trainable, "opt_state": self.opt_state,
+            "key": jax.random.key_data(self.key)}
+
+  def meta(self) -> dict:
+    return {"step": self.step, "consecutive_skips": self.consecutive_skips,
+            "skipped_updates": self.skipped_updates, "num_tokens": self.num_tokens}
+
+
+class _StopSignal:
+  """Turns SIGTERM/SIGINT into a flag the loop checks between steps."""
+
+  def __init__(self):
+    self.received: int | None = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: leave signals alone
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    self.received = signum
+    log.warning("received %s: stopping after this step and saving a checkpoint",
+                signal.Signals(signum).name)
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def resolve_embedded(cfg: TrainConfig, progress: bool = True) -> TrainConfig:
+  """For model.path=embedded: builds the task and tiny model, warm-starts it, points cfg at them."""
+  if cfg.model.path != EMBEDDED:
+    return cfg
+  from epgrpo_jax.tasks import arithmetic
+  e = cfg.embedded
+  assets = arithmetic.build_assets(e.resolved_data_dir(), seed=e.seed)
+  model_dir = arithmetic.warm_start(assets, steps=e.sft_steps, learning_rate=e.sft_learning_rate,
+                                    batch_size=e.sft_batch_size, seed=e.seed, progress=progress)
+  data_cfg = cfg.data
+  if not data_cfg.train_files:
+    data_cfg = dataclasses.replace(data_cfg, train_files=(str(assets.train_file),),
+                                   heldout_file=data_cfg.heldout_file or str(assets.heldout_file),
+                                   heldout_limit=data_cfg.heldout_limit or e.heldout_problems)
+  return cfg.replace(model=dataclasses.replace(cfg.model, path=str(model_dir)), data=data_cfg)
+
+
+class Trainer:
+  """Holds the model split, the jitted programs, data and reward workers of a run."""
+
+  def __init__(self, cfg: TrainConfig, *, model_dir: str | Path | None = None):
+    self.cfg = cfg
+    self.is_main = jax.process_index() == 0
+    model_dir = Path(model_dir or cfg.model.path)
+    self.out_dir = Path(cfg.train.output_dir)
+    t = cfg.train
+
+    self.tokenizer = load_tokenizer(model_dir)
+    self.renderer = data.PromptRenderer(self.tokenizer, cfg.data)
+    self.train_examples, self.skips = data.load_examples(cfg.data.train_files, self.renderer,
+                                                         cfg.data, answer_ok=_answer_parses)
+    self.heldout: list[data.Example] = []
+    if cfg.data.heldout_file:
+      self.heldout, heldout_skips = data.load_examples([cfg.data.heldout_file], self.renderer,
+                                                       cfg.data, answer_ok=_answer_parses)
+      if cfg.data.heldout_limit:
+        self.heldout = self.heldout[:cfg.data.heldout_limit]
+      self.skips.update({f"heldout_{k}": v for k, v in heldout_skips.items()})
+    if self.is_main:
+      log.info("data: %d training problems, %d held-out; skipped rows: %s",
+               len(self.train_examples), len(self.heldout), self.skips.summary())
+
+    lora = None if cfg.model.full_finetune else cfg.lora
+    model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                            lora=lora, seed=t.seed)
+    if cfg.model.remat:
+      model = _with_remat(model)
+    self.model_cfg = model.cfg
+    longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
+    if longest + cfg.sampling.max_new_tokens > model.cfg.max_position_embeddings:
+      raise ValueError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
+                       f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
+                       f"{model.cfg.max_position_embeddings} tokens")
+    self.policy = Policy.from_model(model, cfg.model.full_finetune)
+    self.model_dir = model_dir
+
+    total_updates = t.steps * t.num_iterations * t.mini_batches
+    o = cfg.optim
+    self.tx, self.schedule = steps.make_optimizer(
+        o.learning_rate, total_updates, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
+    on_policy = t.num_iterations == 1 and t.mini_batches == 1
+    self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
+                             temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy)
+    self.advantage_fn = jax.jit(advantage_step, static_argnames=("cfg",))
+
+    self.eos_ids = stop_token_ids(self.tokenizer, self.model_cfg)
+    self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+    self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id)
+    self.scorer = RewardScorer(cfg.reward)
+    self.golds = {}
+    self.data_iter = data.batch_iterator(
+        len(self.train_examples), t.prompts_per_step // jax.process_count(), seed=t.seed,
+        shuffle=cfg.data.shuffle, shard_index=jax.process_index(), shard_count=jax.process_count())
+    self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.checkpoint.keep)
+    self.writer = MetricsWriter(self.out_dir, enabled=self.is_main,
+                                tensorboard=cfg.logging.tensorboard,
+                                wandb_project=cfg.logging.wandb_project,
+                                config=configlib.to_dict(cfg))
+
+  # -- state ------------------------------------------------------------------------------
+
+  def initial_state(self) -> RunState:
+    trainable = self.policy.trainable
+    return RunState(trainable=trainable, opt_state=self.tx.init(trainable),
+                    key=jax.random.key(self.cfg.train.seed))
+
+  def restore_or_init(self) -> RunState:
+    state = self.initial_state()
+    latest = self.checkpointer.latest_step() if self.cfg.checkpoint.resume else None
+    if latest is None:
+      return state
+    tree, meta = self.checkpointer.restore(latest, state.tree(), self.data_iter)
+    state = RunState(trainable=tree["trainable"], opt_state=tree["opt_state"],
+                     key=jax.random.wrap_key_data(tree["key"]), **meta)
+    if self.is_main:
+      log.info("resumed from %s at step %d", self.checkpointer.directory, state.step)
+    return state
+
+  def save(self, state: RunState) -> None:
+    self.checkpointer.save(state.step, state.tree(), self.data_iter, state.meta())
+
+  def params(self, trainable: nnx.State) -> tuple[Any, nnx.State]:
+    """(graphdef, full state) of the current policy, for the sampler."""
+    return self.policy.graphdef, nnx.merge_state(self.policy.frozen, trainable)
+
+  # -- one RL step ------------------------------------------------------------------------
+
+  def step(self, state: RunState) -> tuple[RunState, dict[str, float], dict[str, Any]]:
+    """sample -> reward (host, overlapping the scoring pass) -> advantage -> update."""
+    cfg, t = self.cfg, self.cfg.train
+    P, G = t.prompts_per_step, t.num_generations
+    start = time.perf_counter()
+    examples = [self.train_examples[i] for i in next(self.data_iter)]
+    key, sample_key = jax.random.split(state.key)
+
+    # 1. Sample G completions per prompt with the current policy.
+    out = self.sampler.sample(self.params(state.trainable), [e.prompt_ids for e in examples],
+                              num_samples=G, key=sample_key)
+    completion_BxN = np.asarray(out.tokens).reshape(P * G, -1)
+    completion_mask_BxN = np.asarray(out.mask).reshape(P * G, -1)
+    # Score and train on the used part of the completion buffer only (bucketed, so that
+    # the jitted passes compile a bounded number of times).
+    n = min(bucket(max(int(completion_mask_BxN.sum(1).max()), 1), cfg.sampling.length_buckets),
+            completion_BxN.shape[1])
+    completion_BxN, completion_mask_BxN = completion_BxN[:, :n], completion_mask_BxN[:, :n]
+    sample_logp_BxN = np.asarray(out.logp).reshape(P * G, -1)[:, :n]
+    sample_entropy_BxN = np.asarray(out.entropy).reshape(P * G, -1)[:, :n]
+    sample_time = time.perf_counter() - start
+    rollout = Rollout(
+        prompt_ids=jnp.repeat(out.prompt_ids, G, axis=0),
+        prompt_mask=jnp.repeat(out.prompt_mask, G, axis=0),
+        completion=jnp.asarray(completion_BxN), completion_mask=jnp.asarray(completion_mask_BxN))
+
+    # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
+    if t.reuse_sampler_logprobs:
+      logp_old, entropy = jnp.asarray(sample_logp_BxN), jnp.asarray(sample_entropy_BxN)
+      _, _, logp_ref = self.fns.score(state.trainable, self.policy.frozen, self.policy.reference,
+                                      rollout)
+    else:
+      logp_old, entropy, logp_ref = self.fns.score(state.trainable, self.policy.frozen,
+                                                   self.policy.reference, rollout)
+    texts = self.decode(completion_BxN, completion_mask_BxN)
+    golds = [self.gold(e) for e in examples for _ in range(G)]
+    rewards = self.scorer.score(texts, golds)
+    rewards_PxG = jnp.asarray(np.asarray(rewards.reward, np.float32).reshape(P, G))
+
+    # 3. Token-level advantages.
+    shape = (P, G, -1)
+    adv, comps, adv_metrics = self.advantage_fn(
+        rewards_PxG, entropy.reshape(shape), logp_old.reshape(shape), logp_ref.reshape(shape),
+        rollout.completion_mask.reshape(shape), cfg=cfg.advantage)
+
+    # 4. num_iterations x mini_batches clipped-surrogate updates.
+    update_start = time.perf_counter()
+    batch = UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
+                        advantage=adv.reshape(P * G, -1))
+    trainable, opt_state = state.trainable, state.opt_state
+    update_metrics = []
+    for _ in range(t.num_iterations):
+      for mb in _split(batch, t.mini_batches):
+        trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb)
+        update_metrics.append(m)
+    update_metrics = jax.device_get(update_metrics)
+    update_time = time.perf_counter() - update_start
+
+    # 5. Bookkeeping and metrics.
+    skipped = int(sum(m["skipped"] for m in update_metrics))
+    num_completion_tokens = int(completion_mask_BxN.sum())
+    num_prompt_tokens = int(np.asarray(out.prompt_mask).sum()) * G
+    new_state = RunState(
+        trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1,
+        consecutive_skips=state.consecutive_skips + 1 if skipped else 0,
+        skipped_updates=state.skipped_updates + skipped,
+        num_tokens=state.num_tokens + num_completion_tokens + num_prompt_tokens)
+    step_time = time.perf_counter() - start
+    metrics = step_metrics(
+        rewards=rewards, rewards_PxG=np.asarray(rewards_PxG), mask_BxN=completion_mask_BxN,
+        entropy=np.asarray(entropy), update_metrics=update_metrics,
+        adv_metrics=jax.device_get(adv_metrics), eos_ids=self.eos_ids, completion_BxN=completion_BxN)
+    optimizer_updates = new_state.step * t.num_iterations * t.mini_batches
+    metrics.update({
+        "learning_rate": float(self.schedule(max(optimizer_updates - 1, 0))),
+        "step_time": step_time,
+        "sample_time": sample_time,
+        "update_time": update_time,
+        "num_tokens": new_state.num_tokens,
+        "tokens_per_second": num_completion_tokens / step_time,
+        "sampling/tokens_per_second": num_completion_tokens / max(sample_time, 1e-9),
+        "train/tokens_per_second": (t.num_iterations * (num_completion_tokens + num_prompt_tokens)
+                                    / max(update_time, 1e-9)),
+        "skipped_updates": new_state.skipped_updates,
+        "reward_timeouts": float(rewards.timeouts),
+        "reward_errors": float(rewards.errors),
+    })
+    record = {"examples": examples, "texts": texts, "rewards": rewards, "rollout": rollout,
+              "advantage": adv, "components": comps, "entropy": entropy}
+    return new_state, metrics, record
+
+  # -- helpers ----------------------------------------------------------------------------
+
+  def gold(self, example: data.Example):
+    if example.id not in self.golds:
+      self.golds[example.id] = parse_gold(example.answer)
+    return self.golds[example.id]
+
+  def decode(self, tokens_BxN: np.ndarray, mask_BxN: np.ndarray) -> list[str]:
+    seqs = [row[m].tolist() for row, m in zip(tokens_BxN, mask_BxN)]
+    return self.tokenizer.batch_decode(seqs, skip_special_tokens=True)
+
+  def evaluate(self, trainable: nnx.State, key: jax.Array) -> dict[str, float]:
+    e = self.cfg.eval
+    result = evaluate.evaluate_examples(
+        self.sampler_for_eval(), self.params(trainable), self.heldout, self.tokenizer, self.scorer,
+        num_samples=e.samples, key=key, prompts_per_batch=e.prompts_per_batch,
+        golds=[self.gold(x) for x in self.heldout])
+    return result.summary()
+
+  def sampler_for_eval(self) -> Sampler:
+    e, s = self.cfg.eval, self.cfg.sampling
+    if not hasattr(self, "_eval_sampler"):
+      eval_cfg = dataclasses.replace(s, temperature=e.temperature, top_p=e.top_p, top_k=0,
+                                     max_new_tokens=e.max_new_tokens or s.max_new_tokens)
+      self._eval_sampler = Sampler(eval_cfg, eos_ids=self.eos_ids, pad_id=self.pad_id)
+    return self._eval_sampler
+
+  def export(self, trainable: nnx.State, directory: Path) -> Path:
+    """The trained policy as an HF directory with LoRA merged."""
+    model = nnx.merge(self.policy.graphdef, self.policy.frozen, trainable)
+    return save_pretrained(model, directory, tokenizer_dir=self.model_dir)
+
+  def close(self) -> None:
+    self.checkpointer.close()
+    self.scorer.close()
+    self.writer.close()
+
+
+def _answer_parses(answer: str) -> bool:
+  try:
+    parse_gold(answer)
+    return True
+  except ValueError:
+    return False
+
+
+def _with_remat(model):
+  model.cfg = model.cfg.replace(remat=True)
+  return model
+
+
+def _split(batch: UpdateBatch, parts: int) -> list[UpdateBatch]:
+  if parts == 1:
+    return [batch]
+  b = batch.advantage.shape[0]
+  size = b // parts
+  return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(parts)]
+
+
+def advantage_step(rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT, *,
+                   cfg: advantages.AdvantageConfig):
+  """The advantage and its diagnostics (gate, components, polarity, zero variance, buckets)."""
+  adv, c = advantages.compute_advantages(rewards_PxG, entropy_PxGxT, logp_old_PxGxT,
+                                         logp_ref_PxGxT, mask_PxGxT, cfg)
+  m = mask_PxGxT.astype(bool)
+  n = jnp.maximum(m.sum(), 1)
+  mean = lambda x: jnp.sum(jnp.where(m, x, 0.0)) / n
+  outcome_sign = jnp.sign(c.outcome)[..., None]
+  signed = m & (outcome_sign != 0)
+  flips = signed & (jnp.sign(adv) != outcome_sign)
+  gate_mean = mean(c.gate)
+  zv = c.zero_variance
+  buckets = jax.nn.one_hot(c.bucket, cfg.num_buckets) * m[..., None]
+  occupancy = buckets.sum(axis=(0, 1, 2)) / n
+  metrics = {
+      "ep/gate_mean": gate_mean,
+      "ep/gate_std": jnp.sqrt(mean(jnp.square(c.gate - gate_mean))),
+      "ep/outcome_adv_mean": mean(c.outcome_token),
+      "ep/outcome_adv_abs_mean": mean(jnp.abs(c.outcome_token)),
+      "ep/progress_adv_mean": mean(c.progress),
+      "ep/progress_adv_abs_mean": mean(jnp.abs(c.progress)),
+      "ep/final_adv_mean": mean(adv),
+      "ep/final_adv_abs_mean": mean(jnp.abs(adv)),
+      "ep/polarity_flip_frac": flips.sum() / jnp.maximum(signed.sum(), 1),
+      "ep/zero_variance_frac": zv.mean(),
+      "ep/anchor_groups_frac": (zv & jnp.any(c.anchor != 0, axis=-1)).mean(),
+      "ep/zero_variance_token_frac": jnp.sum(m & zv[:, None, None]) / n,
+      "ep/bucket_occupancy_min": occupancy.min(),
+      "ep/bucket_occupancy_max": occupancy.max(),
+  }
+  return adv, c, metrics
+
+
+def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv_metrics, eos_ids,
+                 completion_BxN) -> dict[str, float]:
+  """Per-step metrics with TRL's names where TRL has the metric."""
+  lengths = mask_BxN.sum(axis=1)
+  last = np.take_along_axis(completion_BxN, np.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+  ended = (lengths > 0) & np.isin(last, list(eos_ids))
+  group_std = rewards_PxG.std(axis=1, ddof=1) if rewards_PxG.shape[1] > 1 else np.zeros(len(rewards_PxG))
+  n_tok = max(mask_BxN.sum(), 1)
+  mean_update = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
+  out = {
+      "reward": float(rewards_PxG.mean()),
+      "reward_std": float(group_std.mean()),
+      "frac_reward_zero_std": float((group_std < 1e-6).mean()),
+      "accuracy": float(np.mean(rewards.accuracy)),
+      "format": float(np.mean(rewards.format)),
+      "completions/mean_length": float(lengths.mean()),
+      "completions/min_length": float(lengths.min()),
+      "completions/max_length": float(lengths.max()),
+      "completions/clipped_ratio": float(1.0 - ended.mean()),
+      "entropy": float(np.where(mask_BxN, entropy, 0.0).sum() / n_tok),
+      "kl": mean_update["kl"],
+      "clip_ratio/low_mean": mean_update["clip_ratio/low_mean"],
+      "clip_ratio/high_mean": mean_update["clip_ratio/high_mean"],
+      "clip_ratio/region_mean": mean_update["clip_ratio/region_mean"],
+      "grad_norm": mean_update["grad_norm"],
+      "loss": mean_update["loss"],
+  }
+  out.update({k: float(v) for k, v in adv_metrics.items()})
+  return out
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+  """Runs a whole training job; returns a summary (held-out accuracy before and after, paths)."""
+  cfg = resolve_embedded(cfg, progress=cfg.logging.progress)
+  trainer = Trainer(cfg)
+  t = cfg.train
+  if trainer.is_main:
+    import yaml
+    (trainer.out_dir / "config.yaml").write_text(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
+  summary: dict[str, Any] = {"output_dir": str(trainer.out_dir)}
+  try:
+    state = trainer.restore_or_init()
+    eval_key = jax.random.key(t.seed + 1)
+    if cfg.eval.before and trainer.heldout and state.step == 0:
+      summary["heldout_before"] = trainer.evaluate(state.trainable, eval_key)
+      trainer.writer.write(0, summary["heldout_before"], prefix="heldout/")
+      _say(trainer, f"held-out before RL: {_fmt_eval(summary['heldout_before'])}")
+    progress = Progress(t.steps, "train", initial=state.step, enabled=cfg.logging.progress and
+                        trainer.is_main)
+    with _StopSignal() as stop:
+      while state.step < t.steps:
+        state, metrics, record = trainer.step(state)
+        trainer.writer.write(state.step, metrics)
+        progress.update({"reward": metrics["reward"], "kl": metrics["kl"],
+                         "tok/s": metrics["tokens_per_second"]})
+        if state.consecutive_skips >= t.max_consecutive_skips:
+          trainer.save(state)
+          raise TrainingError(
+              f"{state.consecutive_skips} consecutive non-finite updates at step {state.step}; "
+              f"saved the last good state to {trainer.checkpointer.directory}")
+        if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
+          trainer.writer.append_jsonl("samples.jsonl", _sample_records(state.step, record,
+                                                                       cfg.logging.samples_count))
+        if cfg.eval.every and state.step % cfg.eval.every == 0 and trainer.heldout:
+          trainer.writer.write(state.step, trainer.evaluate(state.trainable, eval_key),
+                               prefix="heldout/")
+        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+          trainer.save(state)
+        if stop.received is not None:
+          trainer.save(state)
+          trainer.checkpointer.wait()
+          progress.close()
+          _say(trainer, f"stopped by signal at step {state.step}; checkpoint saved in "
+                        f"{trainer.checkpointer.directory}")
+          summary["stopped_at"] = state.step
+          return summary
+    progress.close()
+    if trainer.checkpointer.latest_step() != state.step:
+      trainer.save(state)
+    if cfg.eval.after and trainer.heldout:
+      summary["heldout_after"] = trainer.evaluate(state.trainable, eval_key)
+      trainer.writer.write(state.step, summary["heldout_after"], prefix="heldout/")
+      _say(trainer, f"held-out after RL:  {_fmt_eval(summary['heldout_after'])}")
+    # Every process takes part (the weights may be sharded); only process 0 writes.
+    summary["policy_dir"] = str(trainer.export(state.trainable, trainer.out_dir / "policy"))
+    summary["steps"] = state.step
+    trainer.writer.write_json("summary.json", summary)
+    return summary
+  finally:
+    trainer.close()
+
+
+def _fmt_eval(m: dict[str, float]) -> str:
+  return " ".join(f"{k}={100 * v:.1f}%" for k, v in m.items() if k in ("accuracy", "format"))
+
+
+def _say(trainer: Trainer, line: str) -> None:
+  if trainer.is_main:
+    print(line, flush=True)
+
+
+def _sample_records(step: int, record: dict, count: int) -> list[dict]:
+  examples, texts = record["examples"], record["texts"]
+  G = len(texts) // len(examples)
+  adv = np.asarray(record["advantage"])
+  rewards = np.asarray(record["rewards"].reward).reshape(len(examples), G)
+  out = []
+  for p, e in enumerate(examples[:count]):
+    for g in range(G):
+      n = int(np.asarray(record["rollout"].completion_mask).reshape(len(examples), G, -1)[p, g].sum())
+      out.append({"step": step, "problem_id": e.id, "prompt": e.problem, "answer": e.answer,
+                  "sample": g, "completion": texts[p * G + g], "reward": float(rewards[p, g]),
+                  "advantage": [round(float(a), 5) for a in adv[p, g, :n]]})
+  return out
