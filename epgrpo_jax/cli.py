@@ -26,6 +26,23 @@ def setup_logging(debug: bool = False) -> None:
     logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.WARNING)
 
 
+def enable_compilation_cache() -> None:
+  """Persists compiled XLA programs across runs (a resumed or repeated run skips compiling).
+
+  The directory is `$EPGRPO_COMPILATION_CACHE` (default ~/.cache/epgrpo_jax/xla); set it to
+  an empty string to disable.
+  """
+  import os
+  from pathlib import Path
+  path = os.environ.get("EPGRPO_COMPILATION_CACHE",
+                        str(Path.home() / ".cache" / "epgrpo_jax" / "xla"))
+  if not path:
+    return
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def run_main(fn: Callable[[], int], *, debug: bool = False) -> int:
   """Runs `fn`; bad input (config, files) becomes one line on stderr and exit 2."""
   from epgrpo_jax.configlib import ConfigError

@@ -191,6 +191,13 @@ class TrainConfig:
   distributed: DistributedConfig = DistributedConfig()
   embedded: EmbeddedConfig = EmbeddedConfig()
 
+  def __post_init__(self):
+    if self.train.num_generations < 2:
+      raise ValueError(f"train.num_generations: GRPO-family advantages need G >= 2 responses per "
+                       f"prompt, got {self.train.num_generations}")
+    if self.sampling.max_new_tokens < 1:
+      raise ValueError("sampling.max_new_tokens: must be >= 1")
+
   def replace(self, **sections) -> "TrainConfig":
     return dataclasses.replace(self, **sections)
 

@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
   cli.setup_logging(args.debug)
+  cli.enable_compilation_cache()
 
   def run() -> int:
     from epgrpo_jax import configlib

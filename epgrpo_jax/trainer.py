@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from epgrpo_jax import advantages, configlib, data, evaluate, steps
 from epgrpo_jax.checkpointing import Checkpointer
 from epgrpo_jax.config import EMBEDDED, TrainConfig
 from epgrpo_jax.metrics import MetricsWriter, Progress
-from epgrpo_jax.models import from_pretrained, load_tokenizer, save_pretrained, stop_token_ids
+from epgrpo_jax.models import (from_pretrained, load_config, load_tokenizer, save_pretrained,
+                               stop_token_ids)
+from epgrpo_jax.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, parse_gold
 from epgrpo_jax.sampling import Sampler, bucket
 from epgrpo_jax.steps import Policy, Rollout, StepFunctions, UpdateBatch
@@ -111,6 +114,13 @@ class Trainer:
     self.out_dir = Path(cfg.train.output_dir)
     t = cfg.train
 
+    # Everything that can be wrong with the input is checked before any weights load.
+    self.mesh = make_mesh(cfg.mesh)  # raises if the axis sizes do not match the devices
+    check_writable(self.out_dir)
+    if t.prompts_per_step % jax.process_count():
+      raise ValueError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
+                       f"{jax.process_count()} processes")
+    model_cfg = load_config(model_dir)
     self.tokenizer = load_tokenizer(model_dir)
     self.renderer = data.PromptRenderer(self.tokenizer, cfg.data)
     self.train_examples, self.skips = data.load_examples(cfg.data.train_files, self.renderer,
@@ -126,17 +136,22 @@ class Trainer:
       log.info("data: %d training problems, %d held-out; skipped rows: %s",
                len(self.train_examples), len(self.heldout), self.skips.summary())
 
+    longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
+    if longest + cfg.sampling.max_new_tokens > model_cfg.max_position_embeddings:
+      raise ValueError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
+                       f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
+                       f"{model_cfg.max_position_embeddings} tokens")
+    self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
+    if not self.eos_ids:
+      raise ValueError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
+                       f"and config.json no eos_token_id; completions could never end")
+
     lora = None if cfg.model.full_finetune else cfg.lora
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
                             lora=lora, seed=t.seed)
     if cfg.model.remat:
       model = _with_remat(model)
     self.model_cfg = model.cfg
-    longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
-    if longest + cfg.sampling.max_new_tokens > model.cfg.max_position_embeddings:
-      raise ValueError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
-                       f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
-                       f"{model.cfg.max_position_embeddings} tokens")
     self.policy = Policy.from_model(model, cfg.model.full_finetune)
     self.model_dir = model_dir
 
@@ -150,7 +165,6 @@ class Trainer:
                              temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy)
     self.advantage_fn = jax.jit(advantage_step, static_argnames=("cfg",))
 
-    self.eos_ids = stop_token_ids(self.tokenizer, self.model_cfg)
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
     self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id)
     self.scorer = RewardScorer(cfg.reward)
@@ -321,6 +335,17 @@ class Trainer:
     self.writer.close()
 
 
+def check_writable(directory: Path) -> None:
+  """Raises a one-line error unless `directory` can be created and written."""
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".write-test-{os.getpid()}"
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    raise ValueError(f"train.output_dir: not writable: {directory} ({e.strerror})") from None
+
+
 def _answer_parses(answer: str) -> bool:
   try:
     parse_gold(answer)
@@ -418,6 +443,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
   summary: dict[str, Any] = {"output_dir": str(trainer.out_dir)}
   try:
     state = trainer.restore_or_init()
+    trainer.writer.write(state.step, {f"data/skipped_{k}": v for k, v in trainer.skips.items()}
+                         | {"data/train_problems": len(trainer.train_examples),
+                            "data/heldout_problems": len(trainer.heldout)})
     eval_key = jax.random.key(t.seed + 1)
     if cfg.eval.before and trainer.heldout and state.step == 0:
       summary["heldout_before"] = trainer.evaluate(state.trainable, eval_key)
@@ -428,6 +456,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     with _StopSignal() as stop:
       while state.step < t.steps:
         state, metrics, record = trainer.step(state)
+        if state.consecutive_skips:
+          log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row, %d in all)",
+                      state.step, state.consecutive_skips, state.skipped_updates)
         trainer.writer.write(state.step, metrics)
         progress.update({"reward": metrics["reward"], "kl": metrics["kl"],
                          "tok/s": metrics["tokens_per_second"]})

@@ -6,6 +6,12 @@ from pathlib import Path
 # Must happen before anything imports jax.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiled programs persist across tests and subprocesses (many tests compile the same tiny
+# programs); a fresh machine starts with an empty cache.
+_CACHE = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"epgrpo-test-xla-{os.getuid()}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("EPGRPO_COMPILATION_CACHE", _CACHE)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
