@@ -49,6 +49,24 @@ def deep_merge(base: dict, over: dict) -> dict:
   return out
 
 
+class Override:
+  """A command-line value: YAML-typed, but kept as typed text for string fields.
+
+  (`data.prompt_template={problem}` is a YAML mapping, but the field wants the text.)
+  """
+
+  def __init__(self, raw: str, parsed: Any):
+    self.raw, self.parsed = raw, parsed
+
+  def for_type(self, tp) -> Any:
+    if tp is str and not isinstance(self.parsed, str):
+      return self.raw
+    return self.parsed
+
+  def __repr__(self):
+    return repr(self.parsed)
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
   """['train.steps=10', 'lora.targets=[q,v]'] -> nested dict with YAML-typed values."""
   out: dict[str, Any] = {}
@@ -66,7 +84,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
       node = node.setdefault(p, {})
       if not isinstance(node, dict):
         raise ConfigError(f"override {item!r}: {p!r} is set both as a value and a section")
-    node[leaf] = value
+    node[leaf] = Override(raw, value)
   return out
 
 
@@ -76,6 +94,9 @@ def _type_name(tp) -> str:
 
 def coerce(tp, value: Any, key: str):
   """Checks `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
+  if isinstance(value, Override):
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+    value = value.for_type(str if str in options or tp is str else tp)
   origin = typing.get_origin(tp)
   if origin in (typing.Union, types.UnionType):
     options = typing.get_args(tp)

@@ -1,0 +1,210 @@
+"""A catalogue of bad inputs: each gives one exact error line (exit 2, no traceback) or a counted skip."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epgrpo_jax import data, train as train_cli
+from epgrpo_jax.rewards import RewardScorer
+from epgrpo_jax.tasks import arithmetic
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+  return arithmetic.build_assets(tmp_path_factory.mktemp("arith"), seed=0, train_per_level=20,
+                                 heldout_per_level=2, verbose=False)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+  code = train_cli.main(list(argv))
+  err = capsys.readouterr().err.strip().splitlines()
+  errors = [l for l in err if l.startswith("error:") or "Traceback" in l]
+  assert not any("Traceback" in l for l in err)
+  return code, errors[-1] if errors else ""
+
+
+# (overrides, expected error line). Each is checked before any model or data is loaded.
+CONFIG_CASES = [
+    (["train.steps=abc"], "error: train.steps: expected an integer, got 'abc'"),
+    (["train.stepz=3"], "error: train.stepz: unknown key (did you mean train.steps?)"),
+    (["foo.bar=1"], "error: foo: unknown key"),
+    (["train.steps=0"], "error: train.steps: must be > 0, got 0"),
+    (["optim.learning_rate=-1"], "error: optim.learning_rate: must be > 0, got -1.0"),
+    (["optim.warmup_ratio=1.5"], "error: optim.warmup_ratio: must be in [0, 1), got 1.5"),
+    (["train.num_generations=1"], "error: train.num_generations: GRPO-family advantages need G >= 2 "
+                                  "responses per prompt, got 1"),
+    (["train.mini_batches=3"], "error: train.mini_batches: 3 does not divide the 128 sequences of a step"),
+    (["lora.rank=0"], "error: lora.rank: must be > 0, got 0"),
+    (["lora.targets=[q,x]"], "error: lora.targets: unknown ['x']; choose from "
+                             "['q', 'k', 'v', 'o', 'gate', 'up', 'down']"),
+    (["advantage.num_buckets=0"], "error: advantage.num_buckets: must be >= 1, got 0"),
+    (["advantage.gamma=-1"], "error: advantage.gamma: must be a number > 0, got -1.0"),
+    (["advantage.entropy_gate=maybe"], "error: advantage.entropy_gate: expected true or false, got 'maybe'"),
+    (["sampling.top_p=1.5"], "error: sampling.top_p: must be in (0, 1], got 1.5"),
+    (["loss.aggregation=foo"], "error: loss.aggregation: unknown 'foo'; use one of "
+                               "('token_mean', 'seq_mean_token_mean', 'seq_sum_max_len')"),
+    (["loss.eps_low=1.5"], "error: loss.eps_low: must be in [0, 1), got 1.5"),
+    (["model.dtype=float64"], "error: model.dtype: must be float32 or bfloat16, got 'float64'"),
+    (["model.path=/nonexistent-dir"], "error: model.path: not a directory: /nonexistent-dir"),
+    (["data.train_files=[/nope.jsonl]"], "error: data.train_files: file not found: /nope.jsonl"),
+    (["data.prompt_template=no placeholder"], "error: data.prompt_template: must contain {problem}"),
+    (["checkpoint.keep=0"], "error: checkpoint.keep: must be > 0, got 0"),
+    (["eval.top_p=0"], "error: eval.top_p: must be in (0, 1], got 0.0"),
+    (["reward.fallback=bogus"], "error: reward.fallback: must be one of ('none', 'answer_is', "
+                                "'last_number', 'any'), got 'bogus'"),
+    (["train.steps"], "error: override 'train.steps': expected key=value, e.g. train.steps=100"),
+    (["mesh.data=3"], "error: mesh: data*fsdp*tensor = 3 but there are 8 devices"),
+    (["train.output_dir=/proc/epgrpo-run"], None),  # checked below: starts with the field name
+]
+
+
+@pytest.mark.parametrize("overrides,expected", CONFIG_CASES, ids=[c[0][0] for c in CONFIG_CASES])
+def test_config_errors(capsys, overrides, expected):
+  code, line = run_cli(capsys, *overrides)
+  assert code == 2
+  if expected is None:
+    assert line.startswith("error: train.output_dir: not writable: /proc/epgrpo-run"), line
+  else:
+    assert line == expected
+
+
+def test_config_file_errors(capsys, tmp_path):
+  code, line = run_cli(capsys, "--config", str(tmp_path / "missing.yaml"))
+  assert (code, line) == (2, f"error: --config: file not found: {tmp_path / 'missing.yaml'}")
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("train: {steps: 3\n")
+  code, line = run_cli(capsys, "--config", str(bad))
+  assert code == 2 and line.startswith(f"error: {bad}: invalid YAML")
+  listy = tmp_path / "list.yaml"
+  listy.write_text("- 1\n- 2\n")
+  code, line = run_cli(capsys, "--config", str(listy))
+  assert (code, line) == (2, f"error: {listy}: top level must be a mapping of sections")
+  missing_base = tmp_path / "child.yaml"
+  missing_base.write_text("base: nowhere.yaml\n")
+  code, line = run_cli(capsys, "--config", str(missing_base))
+  assert (code, line) == (2, f"error: --config: file not found: {tmp_path / 'nowhere.yaml'}")
+
+
+def test_unknown_flag_is_a_usage_error(capsys):
+  with pytest.raises(SystemExit) as e:
+    train_cli.main(["--bogus"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "unrecognized arguments: --bogus" in err[0]
+
+
+def _run_args(task, tmp_path, *extra):
+  return [f"model.path={task.model_dir}", f"data.train_files=[{task.train_file}]",
+          "data.prompt_template={problem}", f"train.output_dir={tmp_path / 'run'}",
+          "logging.progress=false", *extra]
+
+
+def test_model_dir_errors_name_the_file(capsys, task, tmp_path):
+  broken = tmp_path / "model"
+  shutil.copytree(task.model_dir, broken)
+  (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
+  assert code == 2 and line.startswith(f"error: {broken / 'model.safetensors'}: unreadable"), line
+
+  (broken / "model.safetensors").unlink()
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
+  assert code == 2 and line == (f"error: {broken}: no model.safetensors or "
+                                "model.safetensors.index.json"), line
+
+  shutil.copyfile(task.model_dir / "model.safetensors", broken / "model.safetensors")
+  cfg = json.loads((broken / "config.json").read_text())
+  cfg["intermediate_size"] += 1
+  (broken / "config.json").write_text(json.dumps(cfg))
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
+  assert code == 2 and "model.layers.0.mlp.gate_proj.weight" in line and "shape" in line, line
+  assert line.startswith(f"error: {broken / 'model.safetensors'}: tensor")
+
+  cfg["intermediate_size"] -= 1
+  cfg["model_type"] = "llama"
+  (broken / "config.json").write_text(json.dumps(cfg))
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
+  assert (code, line) == (2, f"error: {broken / 'config.json'}: model_type: unsupported 'llama' "
+                             "(only 'qwen2')")
+
+  cfg["model_type"] = "qwen2"
+  (broken / "config.json").write_text(json.dumps(cfg))
+  (broken / "tokenizer.json").unlink()
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
+  assert code == 2 and line.startswith("error: ") and str(broken / "tokenizer.json") in line, line
+
+
+def test_no_usable_row_is_an_error(capsys, task, tmp_path):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text('{"question": "1+1"}\n')
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"data.train_files=[{empty}]"))
+  assert code == 2
+  assert line == (f"error: {empty}: no usable row (skipped: missing_problem=1; fields "
+                  "data.problem_field='problem', data.answer_field='answer')")
+
+
+class _Tok:
+  """A whitespace tokenizer: enough for the data layer's prompt rendering."""
+
+  chat_template = None
+
+  def __call__(self, text, add_special_tokens=False):
+    return {"input_ids": [hash(w) % 1000 for w in text.split()]}
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  lines = [
+      json.dumps({"problem": "What is 1+1?", "answer": "2"}).encode(),
+      b'{"problem": "broken json", ',
+      b'{"problem": "\xff\xfe not utf-8", "answer": "1"}',
+      json.dumps(["not", "an", "object"]).encode(),
+      json.dumps({"answer": "3"}).encode(),
+      json.dumps({"problem": "no answer"}).encode(),
+      json.dumps({"problem": "   ", "answer": "4"}).encode(),
+      json.dumps({"problem": "empty answer", "answer": ""}).encode(),
+      json.dumps({"problem": " ".join(["word"] * 50), "answer": "5"}).encode(),
+      json.dumps({"problem": "unparsable gold", "answer": "\\frac{"}).encode(),
+      json.dumps({"problem": "What is 2+2?", "answer": 4.0}).encode(),
+      b"",
+  ]
+  path.write_bytes(b"\n".join(lines))
+  cfg = data.DataConfig(prompt_template="{problem}", max_prompt_tokens=20)
+  examples, skips = data.load_examples([path], data.PromptRenderer(_Tok(), cfg), cfg,
+                                       answer_ok=lambda a: a != "\\frac{")
+  assert [(e.problem, e.answer) for e in examples] == [("What is 1+1?", "2"), ("What is 2+2?", "4")]
+  assert dict(skips) == {"bad_json": 1, "not_utf8": 1, "not_an_object": 1, "missing_problem": 1,
+                         "missing_answer": 1, "empty_problem": 1, "empty_answer": 1,
+                         "prompt_too_long": 1, "unparsable_answer": 1}
+
+
+def _raising_checker(answer: str, gold: str) -> bool:
+  raise RuntimeError("checker bug")
+
+
+def test_a_raising_reward_check_scores_zero_and_is_counted():
+  with RewardScorer(num_workers=0, checker=_raising_checker) as scorer:
+    result = scorer.score(["\\boxed{x^2}", "\\boxed{2}"], ["x**2 + 0", "2"])
+  assert result.accuracy.tolist() == [0.0, 1.0]  # the second is decided by the fast path
+  assert result.errors == 1 and result.status[0] == "error"
+
+
+def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
+  env = dict(os.environ, EPGRPO_COMPILATION_CACHE="")
+  proc = subprocess.run([sys.executable, "-m", "epgrpo_jax.train", "train.steps=-5"], cwd=REPO,
+                        capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == "error: train.steps: must be > 0, got -5"
+  assert "Traceback" not in proc.stderr
+  debug = subprocess.run([sys.executable, "-m", "epgrpo_jax.train", "--debug", "train.steps=-5"],
+                         cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+  assert debug.returncode == 2 and "Traceback" in debug.stderr
