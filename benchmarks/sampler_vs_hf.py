@@ -7,6 +7,11 @@ sample 8 prompts x 8 completions of 32-token prompts, exactly 128 new tokens
 Warm-up (and compilation) excluded; the median of `--runs` timed runs.
 
   python benchmarks/sampler_vs_hf.py [--scaling] [--runs 3] [--skip-hf]
+      [--preset bench-tiny] [--dtype float32] [--peak-tflops 0]
+
+Other `--preset`s (e.g. qwen2.5-0.5b) get random weights; on an accelerator
+transformers runs on CUDA when torch sees it, and `--peak-tflops` (the device's
+dense peak in `--dtype`) adds the sampler's model FLOPs utilisation.
 
 Run it on an idle machine. Under load from other processes, torch's OpenMP
 threads spin-wait and its throughput collapses (tenfold here with 2 threads);
@@ -36,6 +41,9 @@ def parse_args():
   ap.add_argument("--torch-threads", type=int, default=2)
   ap.add_argument("--scaling", action="store_true", help="also 16..256 sequences (8 samples per prompt)")
   ap.add_argument("--skip-hf", action="store_true", help="time only ours")
+  ap.add_argument("--preset", default="bench-tiny", help="model shape (epgrpo_jax.models.PRESETS)")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  ap.add_argument("--peak-tflops", type=float, default=0.0, help="prints MFU when set")
   return ap.parse_args()
 
 
@@ -56,16 +64,19 @@ def main():
   from flax import nnx
   from transformers import Qwen2ForCausalLM
 
-  from epgrpo_jax.models import Qwen2, preset, save_pretrained
+  from epgrpo_jax.models import from_pretrained, load_config
   from epgrpo_jax.sampling import Sampler, SamplingConfig
 
+  import _common as C
+
   torch.set_num_threads(args.torch_threads)
-  cfg = preset("bench-tiny")
-  model = Qwen2(cfg, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(model)
+  device = "cuda" if torch.cuda.is_available() else "cpu"
   with tempfile.TemporaryDirectory() as d:
-    save_pretrained(model, d)
-    hf = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    C.build_model_dir(d, args.preset, dtype=args.dtype)  # random weights, our save_pretrained
+    cfg = load_config(d)
+    model = from_pretrained(d, dtype=args.dtype, param_dtype=args.dtype)
+    hf = Qwen2ForCausalLM.from_pretrained(d, dtype=getattr(torch, args.dtype)).to(device).eval()
+  graphdef, state = nnx.split(model)
 
   sampler = Sampler(SamplingConfig(temperature=args.temperature, top_p=args.top_p,
                                    max_new_tokens=args.new_tokens), eos_ids=())
@@ -82,7 +93,7 @@ def main():
     return num_prompts * g * args.new_tokens / timed(run, args.runs)
 
   def theirs(num_prompts: int, g: int) -> float:
-    ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, (num_prompts, args.prompt_len)))
+    ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, (num_prompts, args.prompt_len))).to(device)
     torch.manual_seed(0)
 
     def run():
@@ -92,17 +103,24 @@ def main():
                           max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                           num_return_sequences=g, pad_token_id=0)
       assert out.shape == (num_prompts * g, args.prompt_len + args.new_tokens)
+      if device == "cuda":
+        torch.cuda.synchronize()
     return num_prompts * g * args.new_tokens / timed(run, args.runs)
 
   load = os.getloadavg()
-  print(f"bench-tiny Qwen2, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+  print(f"{args.preset} Qwen2 ({args.dtype}), {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
         f"T={args.temperature}, top-p={args.top_p}; {os.cpu_count()} CPUs, load average "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}, torch {torch.__version__} with {args.torch_threads} threads"
+        f"{jax.devices()[0].device_kind}, torch {torch.__version__} on {device} with "
+        f"{args.torch_threads} threads"
         f" (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
   n = args.prompts * args.samples
   mine = ours(args.prompts, args.samples)
   print(f"ours          {n:4d} sequences: {mine:9.0f} tokens/s")
+  if args.peak_tflops:
+    per_token = C.forward_flops(cfg, 1, args.prompt_len + args.new_tokens / 2)
+    print(f"ours: sampling MFU {mine * per_token / (args.peak_tflops * 1e12):.2%} "
+          f"(peak {args.peak_tflops:g} TFLOP/s, {per_token / 1e9:.2f} GFLOP per token)")
   if not args.skip_hf:
     ref = theirs(args.prompts, args.samples)
     print(f"transformers  {n:4d} sequences: {ref:9.0f} tokens/s")

@@ -1,9 +1,10 @@
 """Orbax checkpoints of a run: trainable parameters, optimizer state, data iterator, PRNG, step.
 
-Orbax writes each step into a temporary directory and renames it when
-complete, so a killed save never leaves a step that `latest_step` returns; the
-manager keeps the newest `keep` steps. Saves and restores are collective across
-processes.
+Orbax writes each step into a temporary directory (`<step>.orbax-checkpoint-tmp-*`)
+and renames it to `<step>` when every item is written, so a killed save never
+leaves a step that `latest_step` returns; the next manager on the directory
+deletes such leftovers. The manager keeps the newest `keep` steps. Saves and
+restores are collective across processes.
 """
 
 from __future__ import annotations
@@ -33,16 +34,22 @@ class Checkpointer:
         create=True,
     )
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self._last_saved: int | None = None
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_iterator: grain.DatasetIterator | None,
            meta: dict[str, Any], *, force: bool = True) -> None:
+    """Starts saving step `step` (asynchronously); a second save of the step just saved
+    (e.g. the periodic save, then the one on SIGTERM) does nothing."""
+    if step == self._last_saved:
+      return
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
     self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    self._last_saved = step
 
   def restore(self, step: int, abstract_state: Any, data_iterator: grain.DatasetIterator | None):
     """Restores into `abstract_state`'s structure/shardings and `data_iterator` (in place)."""
@@ -68,6 +75,15 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def committed_steps(directory: str | Path) -> list[int]:
+  """The steps with a complete checkpoint under `directory` (sorted; [] if none or no
+  directory). Unfinished saves (Orbax's temporary directories) are not steps."""
+  directory = Path(directory)
+  if not directory.is_dir():
+    return []
+  return sorted(ocp.utils.checkpoint_steps(directory))
 
 
 # ----------------------------------------------------------------------------

@@ -52,7 +52,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  learning_rate: float = 5e-6
+  learning_rate: float = 2e-3  # the embedded default's LoRA rate; the paper's is 5e-6
   warmup_ratio: float = 0.1
   weight_decay: float = 0.001
   max_grad_norm: float = 1.0  # 0: no clipping
@@ -73,8 +73,8 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
-  steps: int = 60  # RL steps (one generation batch each)
-  prompts_per_step: int = 16  # P, global
+  steps: int = 100  # RL steps (one generation batch each)
+  prompts_per_step: int = 8  # P, global
   num_generations: int = 8  # G responses per prompt
   num_iterations: int = 1  # passes over each generation batch
   mini_batches: int = 1  # optimizer updates per pass (the batch split in equal parts)
@@ -112,7 +112,7 @@ class EvalSection:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = 0  # RL steps between checkpoints (0: only at the end)
+  every: int = 25  # RL steps between checkpoints (0: only at the end)
   keep: int = 3
   resume: bool = True  # continue from the latest checkpoint in output_dir if there is one
 
@@ -158,9 +158,9 @@ class EmbeddedConfig:
 
   data_dir: str = ""  # "" : $EPGRPO_DATA_DIR or ~/.cache/epgrpo_jax
   seed: int = 0
-  sft_steps: int = 300
+  sft_steps: int = 800
   sft_learning_rate: float = 3e-3
-  sft_batch_size: int = 64
+  sft_batch_size: int = 16
   heldout_problems: int = 128
 
   def __post_init__(self):
@@ -178,7 +178,7 @@ class TrainConfig:
   model: ModelSection = ModelSection()
   lora: LoraConfig = LoraConfig()
   data: DataConfig = DataConfig()
-  sampling: SamplingConfig = SamplingConfig()
+  sampling: SamplingConfig = SamplingConfig(max_new_tokens=64)
   reward: RewardConfig = RewardConfig()
   advantage: AdvantageConfig = AdvantageConfig()
   loss: LossConfig = LossConfig()

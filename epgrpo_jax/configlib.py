@@ -172,6 +172,10 @@ def build(cls, data: dict[str, Any], prefix: str = ""):
       close = difflib.get_close_matches(str(key), list(fields), n=1)
       hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
       raise ConfigError(f"{prefix}{key}: unknown key{hint}")
+    default = fields[key].default
+    if isinstance(value, dict) and dataclasses.is_dataclass(default):
+      # A partial section starts from the parent's default for it, not the section class's.
+      value = deep_merge(to_dict(default), value)
     kwargs[key] = coerce(hints[key], value, prefix + key)
   try:
     return cls(**kwargs)

@@ -214,17 +214,26 @@ def load_examples(files: Sequence[str | Path], renderer: PromptRenderer, cfg: Da
 
 def batch_iterator(num_examples: int, batch_size: int, *, seed: int, shuffle: bool = True,
                    shard_index: int = 0, shard_count: int = 1) -> grain.DatasetIterator:
-  """An endless, checkpointable iterator of index batches `[batch_size]` for this process.
+  """An endless, checkpointable iterator of this process's part of each global index batch.
 
-  Each process reads a disjoint slice of the rows; each epoch is reshuffled.
+  Every process walks the same global batches of `batch_size` indices (each
+  epoch reshuffled); process `shard_index` of `shard_count` gets the slice
+  `[shard_index * b, (shard_index + 1) * b)`, b = batch_size / shard_count, of
+  each. The global batches, and so a run, do not depend on the number of processes.
   """
-  ds = grain.MapDataset.range(num_examples)[shard_index::shard_count]
-  if len(ds) < batch_size:
-    raise ValueError(f"train.prompts_per_step: {batch_size} prompts per process but only "
-                     f"{len(ds)} usable rows on this process")
+  if batch_size % shard_count:
+    raise ValueError(f"train.prompts_per_step: {batch_size} is not divisible by the "
+                     f"{shard_count} processes")
+  if num_examples < batch_size:
+    raise ValueError(f"train.prompts_per_step: {batch_size} prompts per step but only "
+                     f"{num_examples} usable rows")
+  ds = grain.MapDataset.range(num_examples)
   if shuffle:
     ds = ds.shuffle(seed=seed)
-  return iter(ds.repeat(None).batch(batch_size, drop_remainder=True))
+  per = batch_size // shard_count
+  lo = shard_index * per
+  ds = ds.repeat(None).batch(batch_size, drop_remainder=True)
+  return iter(ds if shard_count == 1 else ds.map(lambda batch: batch[lo:lo + per]))
 
 
 def pad_left(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from epgrpo_jax import cli
+from epgrpo_jax.distributed import to_host
 from epgrpo_jax.rewards import RewardResult, RewardScorer, pass_at_k
 
 if TYPE_CHECKING:
@@ -117,8 +118,9 @@ def evaluate_examples(sampler, params, examples: Sequence[Example], tokenizer,
     batch += [batch[-1]] * (prompts_per_batch - len(batch))
     key, sub = jax.random.split(key)
     out = sampler.sample(params, batch, num_samples=num_samples, key=sub)
-    tokens = np.asarray(out.tokens)[: hi - lo].reshape((hi - lo) * num_samples, -1)
-    mask = np.asarray(out.mask)[: hi - lo].reshape((hi - lo) * num_samples, -1)
+    tokens, mask = to_host((out.tokens, out.mask))  # all rows, from every process
+    tokens = tokens[: hi - lo].reshape((hi - lo) * num_samples, -1)
+    mask = mask[: hi - lo].reshape((hi - lo) * num_samples, -1)
     seqs = [t[m].tolist() for t, m in zip(tokens, mask)]
     texts = tokenizer.batch_decode(seqs, skip_special_tokens=True)
     extra = [{"num_tokens": len(q), "finished": bool(q) and bool(np.isin(q[-1], eos))}

@@ -48,7 +48,7 @@ import numpy as np
 log = logging.getLogger("epgrpo_jax.rewards")
 
 FALLBACKS = ("none", "answer_is", "last_number", "any")
-STATUSES = ("fast", "verified", "no_answer", "too_long", "timeout", "error")
+STATUSES = ("fast", "verified", "no_answer", "too_long", "timeout", "error", "custom")
 DEFAULT_CHECKER = "math_verify"
 
 
@@ -73,8 +73,17 @@ class RewardConfig:
   # not by math-verify; < 0 turns this off.
   numeric_rel_tol: float = 1e-6
   max_answer_chars: int = 1000  # longer extracted answers score 0 unchecked
+  # A custom reward instead of answer checking: "module:function", called in the
+  # host process as function(completions, answers) -> list[float] (answers are the
+  # gold answer strings). Its value is the reward (and `accuracy`); the weights,
+  # fallback and workers above are then unused.
+  function: str = ""
 
   def __post_init__(self):
+    if self.function:
+      module, _, qualname = self.function.partition(":")
+      if not module or not qualname:
+        raise ValueError(f"reward.function: expected 'module:function', got {self.function!r}")
     if self.fallback not in FALLBACKS:
       raise ValueError(f"reward.fallback: must be one of {FALLBACKS}, got {self.fallback!r}")
     if not self.timeout_s > 0:
@@ -384,11 +393,45 @@ def _resolve_checker(spec: str) -> Callable[[str, str], bool]:
   module, _, qualname = spec.partition(":")
   if not module or not qualname:
     raise ValueError(f"checker: expected 'math_verify' or 'module:function', got {spec!r}")
+  return _import_callable(module, qualname)
+
+
+def _import_callable(module: str, qualname: str) -> Callable:
   import importlib
   obj: Any = importlib.import_module(module)
   for part in qualname.split("."):
     obj = getattr(obj, part)
   return obj
+
+
+@functools.lru_cache(maxsize=16)
+def resolve_reward_function(spec: str) -> Callable[[list[str], list[str]], Sequence[float]]:
+  """The callable named by `reward.function` ("module:function"); raises a one-line error."""
+  module, _, qualname = spec.partition(":")
+  try:
+    fn = _import_callable(module, qualname)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"reward.function: cannot import {spec!r} ({type(e).__name__}: {e})") from None
+  if not callable(fn):
+    raise ValueError(f"reward.function: {spec!r} is not callable")
+  return fn
+
+
+def custom_rewards(spec: str, completions: Sequence[str], golds: Sequence[Any]) -> RewardResult:
+  """Rewards from the `reward.function` named by `spec` (host process, no timeout)."""
+  start = time.perf_counter()
+  answers = [parse_gold(g).raw for g in golds]
+  values = resolve_reward_function(spec)(list(completions), answers)
+  reward = np.asarray(list(values), np.float32)
+  if reward.shape != (len(completions),):
+    raise ValueError(f"reward.function: {spec} returned {reward.shape} values for "
+                     f"{len(completions)} completions")
+  if not np.all(np.isfinite(reward)):
+    raise ValueError(f"reward.function: {spec} returned a non-finite reward")
+  n = len(completions)
+  return RewardResult(reward=reward, accuracy=reward.copy(), format=np.zeros(n, np.float32),
+                      answers=[None] * n, status=["custom"] * n,
+                      seconds=time.perf_counter() - start)
 
 
 def _checker_spec(checker: str | Callable | None) -> str:
@@ -868,6 +911,8 @@ class RewardScorer:
   reward checking can overlap accelerator work; `score(...)` waits. With
   `num_workers=0` checks run inline in `submit` (no timeouts; for debugging).
   A check that raises or times out scores 0 and is counted; it never raises.
+  With `cfg.function` set, the named function scores in this process instead
+  (no workers are started unless `num_workers` asks for them).
   Use as a context manager, or call `close()`.
   """
 
@@ -875,6 +920,10 @@ class RewardScorer:
                checker: str | Callable[[str, str], bool] | None = None,
                memory_limit_mb: int = 4096):
     self.cfg = cfg or RewardConfig()
+    if self.cfg.function:
+      resolve_reward_function(self.cfg.function)  # fail at start, not at the first step
+      if num_workers is None:
+        num_workers = 0
     self.num_workers = _default_workers() if num_workers is None else int(num_workers)
     self._inline_checker = checker if callable(checker) else None
     self._checker_spec = (_checker_spec(checker) if self.num_workers > 0 or not callable(checker)
@@ -904,6 +953,11 @@ class RewardScorer:
       raise ValueError(f"score: {len(completions)} completions but {len(golds)} golds")
     start = time.perf_counter()
     cfg = cfg or self.cfg
+    if cfg.function:
+      future: concurrent.futures.Future = concurrent.futures.Future()
+      future.set_running_or_notify_cancel()
+      future.set_result(custom_rewards(cfg.function, completions, golds))
+      return future
     n = len(completions)
     gold_objs = [parse_gold(g) for g in golds]
     answers: list[str | None] = [None] * n

@@ -50,7 +50,8 @@ class SamplingConfig:
   multiple of it). `cache_dtype` None uses the model's compute dtype. The
   decode loop runs in up to `decode_segments` segments whose caches grow, so
   early steps attend over fewer slots (each segment is one more loop body to
-  compile).
+  compile). `ignore_eos` never stops at a stop token: every completion gets
+  exactly `max_new_tokens` (benchmarks).
   """
 
   temperature: float = 1.0
@@ -62,6 +63,7 @@ class SamplingConfig:
   length_buckets: tuple[int, ...] = _powers_of_two(16, 8192)
   cache_dtype: str | None = None
   decode_segments: int = 2
+  ignore_eos: bool = False
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -358,7 +360,8 @@ class Sampler:
 
     `prompts`: a list of token-id lists, or (ids [P, T], mask [P, T]).
     `eos_ids` overrides the sampler's stop ids for this call (the same number
-    of ids reuses the compiled program). Same inputs and key give the same output.
+    of ids reuses the compiled program; `config.ignore_eos` ignores both). Same
+    inputs and key give the same output.
     """
     if num_samples < 1:
       raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
@@ -379,7 +382,8 @@ class Sampler:
       key = jax.device_put(key, sharding.replicated(self.mesh))
     else:
       ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
-    eos = tuple(self.eos_ids if eos_ids is None else eos_ids) or (-1,)  # -1: never matches
+    eos = () if self.config.ignore_eos else tuple(self.eos_ids if eos_ids is None else eos_ids)
+    eos = eos or (-1,)  # -1: never matches
     args = (state, ids, mask, key, jnp.asarray(max_new, jnp.int32), jnp.asarray(eos, jnp.int32))
     program = self._program(graphdef, args, p, tp, n, num_samples)
     out = program(*args)

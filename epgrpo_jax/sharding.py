@@ -162,6 +162,33 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
 
 
+def leading_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """Leading axis over data x fsdp when they divide it (else replicated); any rank."""
+  return NamedSharding(mesh, spec_for(("batch",), tuple(shape)[:1], mesh))
+
+
+def activation_constraints(mesh: Mesh):
+  """`(x, kind) -> x` for `models.activation_constraint`: hidden states [B, ...] split over
+  data x fsdp; the embedding table gathered over fsdp before the lookup (as FSDP gathers
+  every weight before use; the vocabulary stays split over tensor)."""
+  def constrain(x, kind: str = "hidden"):
+    if kind == "embedding":
+      return jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, spec_for(("vocab", None), x.shape, mesh)))
+    if x.ndim == 0:
+      return x
+    return jax.lax.with_sharding_constraint(x, leading_sharding(mesh, x.shape))
+  return constrain
+
+
+def check_batch(mesh: Mesh, rows: int, what: str) -> None:
+  """Raises a config error unless data x fsdp divides the `rows` of a per-token batch."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if rows % shards:
+    raise ValueError(f"{what} = {rows} sequences is not divisible by mesh.data x mesh.fsdp = "
+                     f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {shards} batch shards")
+
+
 def cache_shardings(cache, mesh: Mesh):
   """Shardings for a KV cache pytree from `models.init_cache`."""
   def one(name, x):

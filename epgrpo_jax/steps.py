@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from epgrpo_jax import losses
-from epgrpo_jax.models import Qwen2
+from epgrpo_jax import losses, sharding
+from epgrpo_jax.distributed import place
+from epgrpo_jax.models import Qwen2, activation_constraint
 
 
 @struct.dataclass
@@ -144,18 +145,100 @@ def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt
   return new_trainable, new_opt_state, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShardings:
+  """Where the arguments and results of the step programs live on a mesh.
+
+  States follow `sharding.state_shardings` (optimizer moments like their
+  parameters); per-sequence arrays [B, ...] are split over data x fsdp.
+  """
+
+  mesh: jax.sharding.Mesh
+  trainable: Any
+  frozen: Any
+  reference: Any
+  opt_state: Any
+
+  @classmethod
+  def create(cls, policy: Policy, tx: optax.GradientTransformation,
+             mesh: jax.sharding.Mesh) -> "StepShardings":
+    of = lambda state: None if state is None else sharding.state_shardings(state, mesh)
+    return cls(mesh, of(policy.trainable), of(policy.frozen), of(policy.reference),
+               of(jax.eval_shape(tx.init, policy.trainable)))
+
+  @property
+  def rows(self) -> jax.sharding.NamedSharding:
+    return sharding.batch_sharding(self.mesh, 2)
+
+  @property
+  def replicated(self) -> jax.sharding.NamedSharding:
+    return sharding.replicated(self.mesh)
+
+  def rollout(self) -> Rollout:
+    return Rollout(self.rows, self.rows, self.rows, self.rows)
+
+  def update_batch(self) -> UpdateBatch:
+    return UpdateBatch(self.rollout(), self.rows, self.rows, self.rows)
+
+  def place_policy(self, policy: Policy) -> Policy:
+    return dataclasses.replace(policy, trainable=place(policy.trainable, self.trainable),
+                               frozen=place(policy.frozen, self.frozen),
+                               reference=place(policy.reference, self.reference))
+
+
+def _constrained(fn, mesh: jax.sharding.Mesh):
+  """`fn` traced with the model's hidden states kept batch-sharded over data x fsdp."""
+  constrain = sharding.activation_constraints(mesh)
+
+  @functools.wraps(fn)
+  def wrapped(*args):
+    with activation_constraint(constrain):
+      return fn(*args)
+  return wrapped
+
+
 class StepFunctions:
   """The jitted score and update programs of a run (compiled once per shape).
 
   Only the graph definition and configuration are closed over; every array
   (trainable, frozen, reference, batch) is an argument, and the update donates
-  the trainable and optimizer states.
+  the trainable and optimizer states. With `shardings`, both programs have
+  explicit in/out shardings (arguments are moved there first when they are
+  elsewhere) and constrain the model's activations to the batch sharding.
   """
 
   def __init__(self, graphdef, tx: optax.GradientTransformation, *,
-               loss_cfg: losses.LossConfig, temperature: float, on_policy: bool):
-    self.score = jax.jit(functools.partial(score, graphdef, temperature=temperature))
-    self.update = jax.jit(
-        functools.partial(update, graphdef, tx, loss_cfg=loss_cfg, temperature=temperature,
-                          on_policy=on_policy),
+               loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
+               shardings: StepShardings | None = None):
+    score_fn = functools.partial(score, graphdef, temperature=temperature)
+    update_fn = functools.partial(update, graphdef, tx, loss_cfg=loss_cfg,
+                                  temperature=temperature, on_policy=on_policy)
+    self.shardings = shardings
+    if shardings is None:
+      self.score = jax.jit(score_fn)
+      self.update = jax.jit(update_fn, donate_argnums=(0, 1))
+      return
+    s = shardings
+    self.score_program = jax.jit(
+        _constrained(score_fn, s.mesh),
+        in_shardings=(s.trainable, s.frozen, s.reference, s.rollout()),
+        out_shardings=(s.rows, s.rows, s.rows))
+    self.update_program = jax.jit(
+        _constrained(lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
+                     s.mesh),
+        in_shardings=(s.trainable, s.opt_state, s.frozen, s.update_batch(), s.replicated),
+        out_shardings=(s.trainable, s.opt_state, s.replicated),
         donate_argnums=(0, 1))
+    self.score = self._score_sharded
+    self.update = self._update_sharded
+
+  def _score_sharded(self, trainable, frozen, reference, rollout):
+    s = self.shardings
+    return self.score_program(place(trainable, s.trainable), place(frozen, s.frozen),
+                              place(reference, s.reference), place(rollout, s.rollout()))
+
+  def _update_sharded(self, trainable, opt_state, frozen, batch, grad_fault=None):
+    s = self.shardings
+    return self.update_program(place(trainable, s.trainable), place(opt_state, s.opt_state),
+                               place(frozen, s.frozen), place(batch, s.update_batch()),
+                               place(grad_fault, s.replicated))

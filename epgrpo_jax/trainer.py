@@ -8,6 +8,7 @@ device; everything on the device is a jitted function of `steps`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -21,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from epgrpo_jax import advantages, configlib, data, evaluate, steps
-from epgrpo_jax.checkpointing import Checkpointer
+from epgrpo_jax import advantages, configlib, data, distributed, evaluate, sharding, steps
+from epgrpo_jax.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.config import EMBEDDED, TrainConfig
 from epgrpo_jax.metrics import MetricsWriter, Progress
 from epgrpo_jax.models import (from_pretrained, load_config, load_tokenizer, save_pretrained,
@@ -30,7 +31,7 @@ from epgrpo_jax.models import (from_pretrained, load_config, load_tokenizer, sav
 from epgrpo_jax.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, parse_gold
 from epgrpo_jax.sampling import Sampler, bucket
-from epgrpo_jax.steps import Policy, Rollout, StepFunctions, UpdateBatch
+from epgrpo_jax.steps import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch
 
 log = logging.getLogger("epgrpo_jax.trainer")
 
@@ -98,16 +99,22 @@ def resolve_embedded(cfg: TrainConfig, progress: bool = True) -> TrainConfig:
                                     batch_size=e.sft_batch_size, seed=e.seed, progress=progress)
   data_cfg = cfg.data
   if not data_cfg.train_files:
+    # The task's prompts are bare problems ("Compute 7*5-3*2."), as in the warm start.
+    template = (arithmetic.PROMPT_TEMPLATE if data_cfg.prompt_template == data.MATH_TEMPLATE
+                else data_cfg.prompt_template)
     data_cfg = dataclasses.replace(data_cfg, train_files=(str(assets.train_file),),
                                    heldout_file=data_cfg.heldout_file or str(assets.heldout_file),
-                                   heldout_limit=data_cfg.heldout_limit or e.heldout_problems)
+                                   heldout_limit=data_cfg.heldout_limit or e.heldout_problems,
+                                   prompt_template=template)
   return cfg.replace(model=dataclasses.replace(cfg.model, path=str(model_dir)), data=data_cfg)
 
 
 class Trainer:
   """Holds the model split, the jitted programs, data and reward workers of a run."""
 
-  def __init__(self, cfg: TrainConfig, *, model_dir: str | Path | None = None):
+  def __init__(self, cfg: TrainConfig, *, model_dir: str | Path | None = None,
+               mesh: jax.sharding.Mesh | None = None):
+    """`mesh` overrides the one built from `cfg.mesh` over all devices (tests)."""
     self.cfg = cfg
     self.is_main = jax.process_index() == 0
     model_dir = Path(model_dir or cfg.model.path)
@@ -115,7 +122,12 @@ class Trainer:
     t = cfg.train
 
     # Everything that can be wrong with the input is checked before any weights load.
-    self.mesh = make_mesh(cfg.mesh)  # raises if the axis sizes do not match the devices
+    self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)  # raises if sizes mismatch
+    rows = t.prompts_per_step * t.num_generations
+    sharding.check_batch(self.mesh, rows, "train.prompts_per_step x train.num_generations")
+    if t.mini_batches > 1:
+      sharding.check_batch(self.mesh, rows // t.mini_batches,
+                           "train.prompts_per_step x train.num_generations / train.mini_batches")
     check_writable(self.out_dir)
     if t.prompts_per_step % jax.process_count():
       raise ValueError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
@@ -148,7 +160,7 @@ class Trainer:
 
     lora = None if cfg.model.full_finetune else cfg.lora
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                            lora=lora, seed=t.seed)
+                            lora=lora, mesh=self.mesh, seed=t.seed)
     if cfg.model.remat:
       model = _with_remat(model)
     self.model_cfg = model.cfg
@@ -161,16 +173,19 @@ class Trainer:
         o.learning_rate, total_updates, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
     on_policy = t.num_iterations == 1 and t.mini_batches == 1
+    self.shardings = StepShardings.create(self.policy, self.tx, self.mesh)
+    self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
-                             temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy)
-    self.advantage_fn = jax.jit(advantage_step, static_argnames=("cfg",))
+                             temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
+                             shardings=self.shardings)
+    self.advantage_fn = AdvantageProgram(self.mesh)
 
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-    self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id)
+    self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id, mesh=self.mesh)
     self.scorer = RewardScorer(cfg.reward)
     self.golds = {}
     self.data_iter = data.batch_iterator(
-        len(self.train_examples), t.prompts_per_step // jax.process_count(), seed=t.seed,
+        len(self.train_examples), t.prompts_per_step, seed=t.seed,
         shuffle=cfg.data.shuffle, shard_index=jax.process_index(), shard_count=jax.process_count())
     self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.checkpoint.keep)
     self.writer = MetricsWriter(self.out_dir, enabled=self.is_main,
@@ -182,8 +197,10 @@ class Trainer:
 
   def initial_state(self) -> RunState:
     trainable = self.policy.trainable
-    return RunState(trainable=trainable, opt_state=self.tx.init(trainable),
-                    key=jax.random.key(self.cfg.train.seed))
+    opt_state = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(trainable)
+    return RunState(trainable=trainable, opt_state=opt_state,
+                    key=distributed.put(jax.random.key(self.cfg.train.seed),
+                                        self.shardings.replicated))
 
   def restore_or_init(self) -> RunState:
     state = self.initial_state()
@@ -211,30 +228,33 @@ class Trainer:
     cfg, t = self.cfg, self.cfg.train
     P, G = t.prompts_per_step, t.num_generations
     start = time.perf_counter()
-    examples = [self.train_examples[i] for i in next(self.data_iter)]
+    # Each process reads its slice of the global batch; all processes see the whole batch.
+    examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
     key, sample_key = jax.random.split(state.key)
 
     # 1. Sample G completions per prompt with the current policy.
     out = self.sampler.sample(self.params(state.trainable), [e.prompt_ids for e in examples],
                               num_samples=G, key=sample_key)
-    completion_BxN = np.asarray(out.tokens).reshape(P * G, -1)
-    completion_mask_BxN = np.asarray(out.mask).reshape(P * G, -1)
+    host = distributed.to_host(out)  # every row on every process
+    completion_BxN = host.tokens.reshape(P * G, -1)
+    completion_mask_BxN = host.mask.reshape(P * G, -1)
     # Score and train on the used part of the completion buffer only (bucketed, so that
     # the jitted passes compile a bounded number of times).
     n = min(bucket(max(int(completion_mask_BxN.sum(1).max()), 1), cfg.sampling.length_buckets),
             completion_BxN.shape[1])
     completion_BxN, completion_mask_BxN = completion_BxN[:, :n], completion_mask_BxN[:, :n]
-    sample_logp_BxN = np.asarray(out.logp).reshape(P * G, -1)[:, :n]
-    sample_entropy_BxN = np.asarray(out.entropy).reshape(P * G, -1)[:, :n]
+    sample_logp_BxN = host.logp.reshape(P * G, -1)[:, :n]
+    sample_entropy_BxN = host.entropy.reshape(P * G, -1)[:, :n]
     sample_time = time.perf_counter() - start
-    rollout = Rollout(
-        prompt_ids=jnp.repeat(out.prompt_ids, G, axis=0),
-        prompt_mask=jnp.repeat(out.prompt_mask, G, axis=0),
-        completion=jnp.asarray(completion_BxN), completion_mask=jnp.asarray(completion_mask_BxN))
+    rollout = distributed.place(Rollout(
+        prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
+        prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
+        completion=completion_BxN, completion_mask=completion_mask_BxN), self.shardings.rollout())
 
     # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
     if t.reuse_sampler_logprobs:
-      logp_old, entropy = jnp.asarray(sample_logp_BxN), jnp.asarray(sample_entropy_BxN)
+      logp_old, entropy = (distributed.put(x, self.shardings.rows)
+                           for x in (sample_logp_BxN, sample_entropy_BxN))
       _, _, logp_ref = self.fns.score(state.trainable, self.policy.frozen, self.policy.reference,
                                       rollout)
     else:
@@ -243,7 +263,8 @@ class Trainer:
     texts = self.decode(completion_BxN, completion_mask_BxN)
     golds = [self.gold(e) for e in examples for _ in range(G)]
     rewards = self.scorer.score(texts, golds)
-    rewards_PxG = jnp.asarray(np.asarray(rewards.reward, np.float32).reshape(P, G))
+    # Process 0's rewards feed the advantage (a check timing out on one host only cannot split).
+    rewards_PxG = distributed.broadcast_from_main(np.asarray(rewards.reward, np.float32).reshape(P, G))
 
     # 3. Token-level advantages.
     shape = (P, G, -1)
@@ -261,13 +282,13 @@ class Trainer:
       for mb in _split(batch, t.mini_batches):
         trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb)
         update_metrics.append(m)
-    update_metrics = jax.device_get(update_metrics)
+    update_metrics = distributed.to_host(update_metrics)
     update_time = time.perf_counter() - update_start
 
     # 5. Bookkeeping and metrics.
     skipped = int(sum(m["skipped"] for m in update_metrics))
     num_completion_tokens = int(completion_mask_BxN.sum())
-    num_prompt_tokens = int(np.asarray(out.prompt_mask).sum()) * G
+    num_prompt_tokens = int(host.prompt_mask.sum()) * G
     new_state = RunState(
         trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1,
         consecutive_skips=state.consecutive_skips + 1 if skipped else 0,
@@ -276,8 +297,9 @@ class Trainer:
     step_time = time.perf_counter() - start
     metrics = step_metrics(
         rewards=rewards, rewards_PxG=np.asarray(rewards_PxG), mask_BxN=completion_mask_BxN,
-        entropy=np.asarray(entropy), update_metrics=update_metrics,
-        adv_metrics=jax.device_get(adv_metrics), eos_ids=self.eos_ids, completion_BxN=completion_BxN)
+        entropy=distributed.to_host(entropy), update_metrics=update_metrics,
+        adv_metrics=distributed.to_host(adv_metrics), eos_ids=self.eos_ids,
+        completion_BxN=completion_BxN)
     optimizer_updates = new_state.step * t.num_iterations * t.mini_batches
     metrics.update({
         "learning_rate": float(self.schedule(max(optimizer_updates - 1, 0))),
@@ -321,7 +343,8 @@ class Trainer:
     if not hasattr(self, "_eval_sampler"):
       eval_cfg = dataclasses.replace(s, temperature=e.temperature, top_p=e.top_p, top_k=0,
                                      max_new_tokens=e.max_new_tokens or s.max_new_tokens)
-      self._eval_sampler = Sampler(eval_cfg, eos_ids=self.eos_ids, pad_id=self.pad_id)
+      self._eval_sampler = Sampler(eval_cfg, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                   mesh=self.mesh)
     return self._eval_sampler
 
   def export(self, trainable: nnx.State, directory: Path) -> Path:
@@ -333,6 +356,19 @@ class Trainer:
     self.checkpointer.close()
     self.scorer.close()
     self.writer.close()
+
+
+def preflight(cfg: TrainConfig) -> None:
+  """Checks against this machine what the config cannot check alone, before heavy work."""
+  cfg.mesh.shape(jax.device_count())
+  check_writable(Path(cfg.train.output_dir))
+  ckpt_dir = Path(cfg.train.output_dir) / "checkpoints"
+  if not cfg.checkpoint.resume and (found := committed_steps(ckpt_dir)):
+    raise ValueError(f"checkpoint.resume: false, but {ckpt_dir} holds checkpoints (latest step "
+                     f"{found[-1]}); remove them or choose another train.output_dir")
+  if cfg.train.prompts_per_step % jax.process_count():
+    raise ValueError(f"train.prompts_per_step: {cfg.train.prompts_per_step} is not divisible by "
+                     f"the {jax.process_count()} processes")
 
 
 def check_writable(directory: Path) -> None:
@@ -382,6 +418,8 @@ def advantage_step(rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, m
   zv = c.zero_variance
   buckets = jax.nn.one_hot(c.bucket, cfg.num_buckets) * m[..., None]
   occupancy = buckets.sum(axis=(0, 1, 2)) / n
+  cells_PxK = buckets.sum(axis=(1, 2))  # tokens per (group, bucket)
+  has_tokens_P = m.any(axis=(1, 2))
   metrics = {
       "ep/gate_mean": gate_mean,
       "ep/gate_std": jnp.sqrt(mean(jnp.square(c.gate - gate_mean))),
@@ -397,8 +435,34 @@ def advantage_step(rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, m
       "ep/zero_variance_token_frac": jnp.sum(m & zv[:, None, None]) / n,
       "ep/bucket_occupancy_min": occupancy.min(),
       "ep/bucket_occupancy_max": occupancy.max(),
+      "ep/bucket_empty_frac": jnp.sum((cells_PxK == 0) & has_tokens_P[:, None])
+                              / jnp.maximum(has_tokens_P.sum() * cfg.num_buckets, 1),
+      "ep/signal_abs_mean": mean(jnp.abs(c.signal)),
   }
   return adv, c, metrics
+
+
+class AdvantageProgram:
+  """`advantage_step` jitted with explicit shardings; called like it (with `cfg=`).
+
+  Groups P are split over data x fsdp when those divide P (else replicated);
+  the metrics are replicated. One program per (P sharding, config).
+  """
+
+  def __init__(self, mesh: jax.sharding.Mesh):
+    self.mesh = mesh
+    self._programs: dict[Any, Any] = {}
+
+  def __call__(self, rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT, *,
+               cfg: advantages.AdvantageConfig):
+    groups = sharding.leading_sharding(self.mesh, np.shape(rewards_PxG))
+    program = self._programs.get((groups, cfg))
+    if program is None:
+      program = jax.jit(functools.partial(advantage_step, cfg=cfg), in_shardings=(groups,) * 5,
+                        out_shardings=(groups, groups, sharding.replicated(self.mesh)))
+      self._programs[(groups, cfg)] = program
+    args = (rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT)
+    return program(*(distributed.put(x, groups) for x in args))
 
 
 def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv_metrics, eos_ids,
@@ -434,6 +498,8 @@ def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
   """Runs a whole training job; returns a summary (held-out accuracy before and after, paths)."""
+  distributed.initialize(cfg.distributed)  # before any JAX computation
+  preflight(cfg)
   cfg = resolve_embedded(cfg, progress=cfg.logging.progress)
   trainer = Trainer(cfg)
   t = cfg.train
@@ -468,14 +534,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               f"{state.consecutive_skips} consecutive non-finite updates at step {state.step}; "
               f"saved the last good state to {trainer.checkpointer.directory}")
         if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
-          trainer.writer.append_jsonl("samples.jsonl", _sample_records(state.step, record,
-                                                                       cfg.logging.samples_count))
+          trainer.writer.append_jsonl("samples.jsonl", _sample_records(
+              state.step, distributed.to_host(record), cfg.logging.samples_count))
         if cfg.eval.every and state.step % cfg.eval.every == 0 and trainer.heldout:
           trainer.writer.write(state.step, trainer.evaluate(state.trainable, eval_key),
                                prefix="heldout/")
         if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
           trainer.save(state)
-        if stop.received is not None:
+        if distributed.any_process(stop.received is not None):
           trainer.save(state)
           trainer.checkpointer.wait()
           progress.close()
@@ -508,16 +574,47 @@ def _say(trainer: Trainer, line: str) -> None:
     print(line, flush=True)
 
 
-def _sample_records(step: int, record: dict, count: int) -> list[dict]:
-  examples, texts = record["examples"], record["texts"]
-  G = len(texts) // len(examples)
-  adv = np.asarray(record["advantage"])
-  rewards = np.asarray(record["rewards"].reward).reshape(len(examples), G)
+def _sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[dict]:
+  """One JSON record per group for the first `count` groups of a step (samples.jsonl).
+
+  Each response has its text, reward and, per token (lists of rounded floats):
+  entropy, gate W, outcome advantage W * A_i, anchored signal s~, progress
+  advantage, final advantage, tau and bucket; `tokens` (display strings) when
+  a tokenizer is given, else only `token_ids`. Read by `epgrpo_jax.heatmap`.
+  """
+  examples, texts, rewards = record["examples"], record["texts"], record["rewards"]
+  P = len(examples)
+  G = len(texts) // P
+  c = record["components"]
+  per_token = {
+      "entropy": np.asarray(record["entropy"]).reshape(P, G, -1),
+      "gate": np.asarray(c.gate), "outcome": np.asarray(c.outcome_token),
+      "signal": np.asarray(c.signal), "progress": np.asarray(c.progress),
+      "advantage": np.asarray(record["advantage"]), "tau": np.asarray(c.tau)}
+  bucket = np.asarray(c.bucket)
+  token_ids = np.asarray(record["rollout"].completion).reshape(P, G, -1)
+  mask = np.asarray(record["rollout"].completion_mask).reshape(P, G, -1)
+  reward = np.asarray(rewards.reward, np.float64).reshape(P, G)
+  outcome, anchor = np.asarray(c.outcome), np.asarray(c.anchor)
+  zero_variance = np.asarray(c.zero_variance)
+  answers = list(getattr(rewards, "answers", None) or [None] * (P * G))
+  rnd = lambda x: (np.round(np.asarray(x, np.float64), 4) + 0.0).tolist()  # + 0.0: no -0.0
   out = []
   for p, e in enumerate(examples[:count]):
+    responses = []
     for g in range(G):
-      n = int(np.asarray(record["rollout"].completion_mask).reshape(len(examples), G, -1)[p, g].sum())
-      out.append({"step": step, "problem_id": e.id, "prompt": e.problem, "answer": e.answer,
-                  "sample": g, "completion": texts[p * G + g], "reward": float(rewards[p, g]),
-                  "advantage": [round(float(a), 5) for a in adv[p, g, :n]]})
+      keep = mask[p, g].astype(bool)
+      ids = token_ids[p, g][keep].tolist()
+      r = {"sample": g, "completion": texts[p * G + g], "reward": float(reward[p, g]),
+           "extracted": answers[p * G + g], "outcome_adv": round(float(outcome[p, g]), 5),
+           "anchor": float(anchor[p, g]), "length": len(ids), "token_ids": ids}
+      if tokenizer is not None:
+        from epgrpo_jax.metrics import token_strings
+        r["tokens"] = token_strings(tokenizer, ids)
+      r.update({k: rnd(v[p, g][keep]) for k, v in per_token.items()})
+      r["bucket"] = bucket[p, g][keep].astype(int).tolist()
+      responses.append(r)
+    out.append({"step": step, "group": p, "problem_id": e.id, "prompt": e.problem,
+                "answer": e.answer, "zero_variance": bool(zero_variance[p]),
+                "reward_mean": float(reward[p].mean()), "responses": responses})
   return out

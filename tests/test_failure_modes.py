@@ -43,7 +43,7 @@ CONFIG_CASES = [
     (["optim.warmup_ratio=1.5"], "error: optim.warmup_ratio: must be in [0, 1), got 1.5"),
     (["train.num_generations=1"], "error: train.num_generations: GRPO-family advantages need G >= 2 "
                                   "responses per prompt, got 1"),
-    (["train.mini_batches=3"], "error: train.mini_batches: 3 does not divide the 128 sequences of a step"),
+    (["train.mini_batches=3"], "error: train.mini_batches: 3 does not divide the 64 sequences of a step"),
     (["lora.rank=0"], "error: lora.rank: must be > 0, got 0"),
     (["lora.targets=[q,x]"], "error: lora.targets: unknown ['x']; choose from "
                              "['q', 'k', 'v', 'o', 'gate', 'up', 'down']"),

@@ -369,3 +369,32 @@ def test_pass_at_k_vectorised_and_edges():
     R.pass_at_k(4, 5, 1)
   with pytest.raises(ValueError):
     R.pass_at_k(4, 2, 0)
+
+
+def length_parity_reward(completions: list[str], answers: list[str]) -> list[float]:
+  """A custom reward for the `reward.function` tests: 1 for an even number of characters."""
+  return [float(len(c) % 2 == 0) for c in completions]
+
+
+def test_custom_reward_function_runs_in_process_without_workers():
+  cfg = R.RewardConfig(function=f"{__name__}:length_parity_reward")
+  with R.RewardScorer(cfg) as s:
+    assert s.num_workers == 0 and s.stats == {}
+    res = s.score(["ab", "abc", r"\boxed{7}"], ["1", 2, "7"])
+  assert res.reward.tolist() == [1.0, 0.0, 0.0]  # the function's value, not math checking
+  assert res.accuracy.tolist() == [1.0, 0.0, 0.0] and res.status == ["custom"] * 3
+  with R.RewardScorer(num_workers=0) as s:  # a per-call config switches to the function too
+    assert s.score(["ab"], ["1"], cfg).reward.tolist() == [1.0]
+
+
+def test_custom_reward_function_errors_are_one_line():
+  with pytest.raises(ValueError, match="expected 'module:function'"):
+    R.RewardConfig(function="no_colon")
+  with pytest.raises(ValueError, match="cannot import"):
+    R.RewardScorer(R.RewardConfig(function="no_such_module_xyz:f"))
+  with pytest.raises(ValueError, match="returned"):
+    R.custom_rewards(f"{__name__}:one_reward_only", ["a", "b"], ["1", "2"])
+
+
+def one_reward_only(completions: list[str], answers: list[str]) -> list[float]:
+  return [0.0]

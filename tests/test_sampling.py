@@ -242,6 +242,17 @@ def test_eos_stops_a_row_and_masks_the_rest(model, greedy_sampler):
   assert mask[1].all()
 
 
+def test_ignore_eos_always_writes_max_new_tokens(model, greedy_sampler):
+  free = np.asarray(greedy_sampler.sample(model, PROMPTS, 1, jax.random.key(0), eos_ids=(-5,)).tokens)
+  stop = int(free[0, 0, 1])  # row 0 produces it at step 1
+  ignoring = Sampler(greedy_sampler.config.replace(ignore_eos=True), eos_ids=(stop,))
+  out = ignoring.sample(model, PROMPTS, 1, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(out.tokens), free)
+  assert np.asarray(out.mask).all() and (np.asarray(out.lengths) == 12).all()
+  out = ignoring.sample(model, PROMPTS, 1, jax.random.key(0), eos_ids=(stop,))  # per call too
+  assert (np.asarray(out.lengths) == 12).all()
+
+
 def test_left_padded_prompt_continues_like_unpadded(model, greedy_sampler):
   padded = greedy_sampler.sample(model, PROMPTS, 1, jax.random.key(0), eos_ids=(-5,))
   alone = greedy_sampler.sample(model, PROMPTS[:1] + [[3] * 8], 1, jax.random.key(0), eos_ids=(-5,))

@@ -169,7 +169,8 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
 def _place(array, path: str, mesh, sharding_mod):
   if mesh is None:
     return jnp.asarray(array)
-  return jax.device_put(array, sharding_mod.param_sharding(path, array.shape, mesh))
+  from epgrpo_jax import distributed  # every process holds the whole tensor: no collective
+  return distributed.put(array, sharding_mod.param_sharding(path, array.shape, mesh))
 
 
 def _to_host(array) -> np.ndarray:

@@ -11,6 +11,10 @@ slots; a row's real tokens are those whose slots are valid, and positions
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,6 +24,40 @@ from epgrpo_jax.models._lora import Linear
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _NEG = -1e30  # finite, so that a row with no valid key gives a uniform, not NaN, softmax
+_ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "activation_constraint", default=None)
+
+
+@contextlib.contextmanager
+def activation_constraint(fn: Callable[[jax.Array, str], jax.Array] | None):
+  """While tracing inside, arrays pass through `fn(x, kind)` (e.g. sharding constraints; the
+  model knows no mesh): kind "embedding", the table before the token lookup, and "hidden",
+  the hidden states [B, T, D] after the lookup and after each block."""
+  token = _ACTIVATION_CONSTRAINT.set(fn)
+  try:
+    yield
+  finally:
+    _ACTIVATION_CONSTRAINT.reset(token)
+
+
+def _constrain(x, kind: str = "hidden"):
+  fn = _ACTIVATION_CONSTRAINT.get()
+  return x if fn is None else fn(x, kind)
+
+
+def _remat_block(layer: "Block", *args):
+  """`Block.__call__` under `jax.checkpoint` (activations recomputed in the backward pass).
+
+  The layer enters as a pure state, so this works when the model was merged from a
+  state inside a transform (`jax.value_and_grad` of the update step), where
+  `nnx.remat` would try to write the layer back across trace levels.
+  """
+  graphdef, state = nnx.split(layer)
+
+  def pure(state, x, positions, k, v, allowed, write_index, adapters):
+    return nnx.merge(graphdef, state).__call__(x, positions, k, v, allowed, write_index, adapters)
+
+  return jax.checkpoint(pure, static_argnums=(7,))(state, *args)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
@@ -179,7 +217,8 @@ class Qwen2(nnx.Module):
     cfg = self.cfg
     dtype = as_dtype(cfg.dtype)
     b, t = tokens_BxT.shape
-    x = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dtype)
+    table = _constrain(self.embed[...], "embedding")
+    x = _constrain(jnp.take(table, tokens_BxT, axis=0).astype(dtype))
     mask_BxT = mask_BxT.astype(bool)
     if cache is None:
       causal_TxT = jnp.tril(jnp.ones((t, t), bool))
@@ -197,14 +236,13 @@ class Qwen2(nnx.Module):
       query_slot_T = write_index + jnp.arange(t)
       allowed = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid[:, None, :]
 
-    block_fn = Block.__call__
-    if cfg.remat:
-      block_fn = nnx.remat(block_fn, static_argnums=(7,))
+    block_fn = _remat_block if cfg.remat else Block.__call__
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       ck = cache["k"][i] if cache is not None else None
       cv = cache["v"][i] if cache is not None else None
       x, k, v = block_fn(layer, x, positions_BxT, ck, cv, allowed, write_index, adapters)
+      x = _constrain(x)
       new_k.append(k)
       new_v.append(v)
     hidden = self.final_norm(x).astype(dtype)

@@ -1,0 +1,396 @@
+"""Shared pieces of the step, overhead and scaling benchmarks.
+
+A random Qwen2 saved as an HF directory (our `save_pretrained`) with a tiny
+word-level tokenizer, a JSONL of random prompts, a cheap reward, a Trainer
+config for our side, a compilation counter and the machine line every
+benchmark prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+# -- the machine ---------------------------------------------------------------------------
+
+
+def machine_line() -> str:
+  """CPUs, load average, thread settings: printed with every result."""
+  load = os.getloadavg()
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:
+    cores = os.cpu_count()
+  return (f"{platform.machine()} {cores} CPUs usable, load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+
+
+def load1() -> float:
+  return os.getloadavg()[0]
+
+
+def median(xs: Sequence[float]) -> float:
+  return statistics.median(xs) if xs else float("nan")
+
+
+class CompileCounter:
+  """Counts XLA backend compilations (jax.monitoring) while installed."""
+
+  def __init__(self):
+    self.count = 0
+    self.seconds = 0.0
+    self._lock = threading.Lock()
+
+  def _listener(self, event: str, duration: float, **_):
+    if event == COMPILE_EVENT:
+      with self._lock:
+        self.count += 1
+        self.seconds += duration
+
+  def __enter__(self) -> "CompileCounter":
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    import jax
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+# -- model, tokenizer, prompts --------------------------------------------------------------
+
+
+def _byte_chars() -> list[str]:
+  """GPT-2's byte -> printable character table (the byte-level BPE alphabet), in byte order."""
+  keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+  table, extra = {}, 0
+  for b in range(256):
+    if b in keep:
+      table[b] = chr(b)
+    else:
+      table[b] = chr(256 + extra)
+      extra += 1
+  return [table[b] for b in range(256)]
+
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SPECIALS = (BOS, EOS, PAD)
+
+
+def vocabulary(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+  """A byte-level BPE vocabulary of exactly `vocab_size` tokens and its merges.
+
+  Ids 0-2 are <s>, </s> (EOS), <pad>; then the 256 bytes; then merged words:
+  " a".." z", " aa".." zz" (so every space-led one- or two-letter word is one
+  token), then " aaa", ... until the vocabulary is full.
+  """
+  space = _byte_chars()[ord(" ")]  # "Ġ"
+  vocab = {t: i for i, t in enumerate(SPECIALS)}
+  for c in _byte_chars():
+    vocab[c] = len(vocab)
+  merges: list[tuple[str, str]] = []
+
+  def add(left: str, right: str) -> bool:
+    if len(vocab) >= vocab_size:
+      return False
+    merges.append((left, right))
+    vocab[left + right] = len(vocab)
+    return True
+
+  words = [space + a for a in LETTERS]
+  for w in words:
+    add(space, w[1:])
+  longer = words
+  while len(vocab) < vocab_size:
+    nxt = []
+    for w in longer:
+      for b in LETTERS:
+        if not add(w, b):
+          break
+        nxt.append(w + b)
+    longer = nxt
+  if len(vocab) < vocab_size:
+    raise ValueError(f"vocab_size {vocab_size}: too small for the byte alphabet")
+  return vocab, merges
+
+
+def build_tokenizer(directory: str | Path, vocab_size: int):
+  """A Qwen2-style byte-level BPE tokenizer of exactly `vocab_size` tokens, saved to `directory`.
+
+  transformers loads a `qwen2` directory's tokenizer as `Qwen2Tokenizer`
+  (byte-level BPE with Qwen's split pattern) whatever the file says, so this
+  builds one: EOS is </s> (id 1), pad <pad> (id 2), no token is added when
+  encoding, and each space-led two-letter word is one token. It carries a plain
+  chat template (the benchmarks use plain prompts).
+  """
+  from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+  vocab, merges = vocabulary(vocab_size)
+  tok = Qwen2Tokenizer(vocab=vocab, merges=merges, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                       unk_token=None)
+  tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+  if len(tok) != vocab_size:
+    raise AssertionError(f"tokenizer has {len(tok)} tokens, wanted {vocab_size}")
+  tok.save_pretrained(str(directory))
+  return tok
+
+
+def build_model_dir(directory: str | Path, preset: str = "bench-tiny", *, dtype: str = "float32",
+                    seed: int = 0) -> Path:
+  """A random `preset` Qwen2 (BOS 0, EOS 1) saved with our `save_pretrained`, plus the tokenizer."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from epgrpo_jax.models import Qwen2, preset as model_preset, save_pretrained
+
+  directory = Path(directory)
+  cfg = model_preset(preset, bos_token_id=0, eos_token_id=1, param_dtype=dtype, dtype=dtype)
+  if cfg.vocab_size > 4096:  # big presets: random weights without running an initialiser per leaf
+    model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(seed)))
+    _fill_random(model, seed, jnp.dtype(dtype))
+  else:
+    model = Qwen2(cfg, rngs=nnx.Rngs(seed))
+  save_pretrained(model, directory, dtype=dtype)
+  build_tokenizer(directory, cfg.vocab_size)
+  return directory
+
+
+def _fill_random(model, seed: int, dtype) -> None:
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  key = jax.random.key(seed)
+  for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
+    name = ".".join(map(str, path))
+    if name.endswith("norm.weight"):
+      var.set_value(jnp.ones(var.shape, dtype))
+    elif name.endswith("bias"):
+      var.set_value(jnp.zeros(var.shape, dtype))
+    else:
+      var.set_value((0.02 * jax.random.normal(jax.random.fold_in(key, i), var.shape)).astype(dtype))
+
+
+def prompt_texts(n: int, prompt_len: int, seed: int = 0) -> list[str]:
+  """`n` prompts of exactly `prompt_len` tokens: a letter, then space-led two-letter words."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    letters = rng.integers(0, 26, (prompt_len, 2))
+    out.append(LETTERS[letters[0, 0]] + "".join(f" {LETTERS[a]}{LETTERS[b]}" for a, b in letters[1:]))
+  return out
+
+
+def write_prompts(path: str | Path, texts: Sequence[str]) -> Path:
+  """A training JSONL: problem = the text, answer = "0" (unused by the reward below)."""
+  path = Path(path)
+  path.write_text("".join(json.dumps({"problem": t, "answer": "0"}) + "\n" for t in texts))
+  return path
+
+
+def length_parity(completions: list[str], answers: list[str]) -> list[float]:
+  """The benchmark reward (ours): 1.0 when the completion has an even number of characters."""
+  return [float(len(c) % 2 == 0) for c in completions]
+
+
+def trl_length_parity(prompts, completions, **kwargs) -> list[float]:
+  """The same reward with TRL's reward-function signature."""
+  return length_parity(list(completions), [])
+
+
+# -- our trainer ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Shape:
+  prompts: int = 8  # P
+  samples: int = 8  # G
+  prompt_len: int = 32
+  new_tokens: int = 128
+  lora_rank: int = 32
+  lora_alpha: float = 64.0
+
+
+def trainer_overrides(model_dir: Path, train_file: Path, out_dir: Path, shape: Shape,
+                      *extra: str) -> list[str]:
+  """Dotted overrides of a TrainConfig for one benchmark step of `shape` (EP-GRPO by default)."""
+  return [
+      f"model.path={model_dir}", f"data.train_files=[{train_file}]",
+      "data.prompt_template='{problem}'", "data.use_chat_template=false",
+      f"data.max_prompt_tokens={max(shape.prompt_len, 1)}",
+      f"train.prompts_per_step={shape.prompts}", f"train.num_generations={shape.samples}",
+      "train.steps=1000", f"train.output_dir={out_dir}",
+      f"sampling.max_new_tokens={shape.new_tokens}", "sampling.ignore_eos=true",
+      "sampling.temperature=1.0", "sampling.top_p=0.95", "sampling.top_k=0",
+      f"lora.rank={shape.lora_rank}", f"lora.alpha={shape.lora_alpha}",
+      "loss.beta=0.001", "optim.learning_rate=1e-5", "optim.warmup_ratio=0.0",
+      "reward.function=_common:length_parity",
+      "logging.progress=false", "logging.tensorboard=false", "logging.samples_every=0",
+      "eval.before=false", "eval.after=false", *extra]
+
+
+def make_trainer(model_dir: Path, train_file: Path, out_dir: Path, shape: Shape, *extra: str):
+  from epgrpo_jax.config import TrainConfig
+  from epgrpo_jax.trainer import Trainer
+
+  cfg = TrainConfig().override(*trainer_overrides(model_dir, train_file, out_dir, shape, *extra))
+  return Trainer(cfg)
+
+
+def time_call(fn: Callable[[], object]) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+# -- FLOPs ----------------------------------------------------------------------------------
+
+
+def matmul_params(cfg) -> int:
+  """Weights a token multiplies through: every linear layer and the LM head (not the lookup)."""
+  d, f, h, k, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                    cfg.head_dim)
+  per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f
+  return cfg.num_layers * per_layer + d * cfg.vocab_size
+
+
+def forward_flops(cfg, tokens: int, context: float) -> float:
+  """Forward FLOPs of `tokens` tokens attending over `context` keys on average."""
+  attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+  return tokens * (2 * matmul_params(cfg) + attention)
+
+
+def step_flops(cfg, shape: "Shape", *, lora: bool = True) -> dict[str, float]:
+  """Model FLOPs of one RL step by phase (sampling, scoring + reference, update).
+
+  Sampling: one forward per new token over the cache (average context Tp +
+  N/2). Scoring and reference: two forwards over Tp + N tokens (causal: Tp/2 +
+  N/2 keys on average). Update: forward + backward; the backward costs one
+  forward for activation gradients, plus one more for weight gradients with
+  full fine-tuning (LoRA's weight gradients are negligible): 2x or 3x a forward.
+  """
+  rows = shape.prompts * shape.samples
+  seq = shape.prompt_len + shape.new_tokens
+  sampling = forward_flops(cfg, rows * shape.new_tokens, shape.prompt_len + shape.new_tokens / 2)
+  one_pass = forward_flops(cfg, rows * seq, seq / 2)
+  update = one_pass * (2 if lora else 3)
+  return {"sampling": sampling, "scoring": 2 * one_pass, "update": update,
+          "total": sampling + 2 * one_pass + update}
+
+
+# -- a step timed phase by phase ----------------------------------------------------------------
+
+
+PHASES = ("sample", "reward", "scoring", "reference", "advantage", "update")
+
+
+class PhasedStep:
+  """`Trainer.step` (single process), with the device synchronised after each phase.
+
+  Same programs and data as the trainer: the sampler, the fused scoring +
+  reference program, the advantage program and the update. The reference pass
+  is part of the fused program; its share is measured by a separate
+  reference-only program (adapters off) run once per step outside the step
+  time, and subtracted from the fused program's time.
+  """
+
+  def __init__(self, trainer):
+    import jax
+    from flax import nnx
+
+    from epgrpo_jax import steps
+
+    if trainer.cfg.train.mini_batches != 1:
+      raise ValueError("PhasedStep: train.mini_batches must be 1")
+    self.trainer = trainer
+    self.last_batch = None
+    graphdef, temperature = trainer.policy.graphdef, trainer.cfg.sampling.temperature or 1.0
+
+    def reference(trainable, frozen, rollout):
+      model = nnx.merge(graphdef, frozen, trainable)
+      return steps.completion_logprobs(model, rollout, temperature=temperature, adapters=False)[0]
+
+    self.reference = jax.jit(reference)
+
+  def __call__(self, state):
+    """(new state, {phase: seconds, "step": total, "reference_only": seconds})."""
+    import jax
+    import numpy as np
+
+    from epgrpo_jax import distributed
+    from epgrpo_jax.sampling import bucket
+    from epgrpo_jax.steps import Rollout, UpdateBatch
+    from epgrpo_jax.trainer import RunState
+
+    tr = self.trainer
+    cfg, t = tr.cfg, tr.cfg.train
+    P, G = t.prompts_per_step, t.num_generations
+    times: dict[str, float] = {}
+    start = tick = time.perf_counter()
+
+    def lap(name: str, *wait) -> None:
+      nonlocal tick
+      jax.block_until_ready(wait)
+      now = time.perf_counter()
+      times[name] = now - tick
+      tick = now
+
+    examples = [tr.train_examples[i] for i in next(tr.data_iter)]
+    key, sample_key = jax.random.split(state.key)
+    out = tr.sampler.sample(tr.params(state.trainable), [e.prompt_ids for e in examples],
+                            num_samples=G, key=sample_key)
+    host = distributed.to_host(out)
+    tokens_BxN, mask_BxN = host.tokens.reshape(P * G, -1), host.mask.reshape(P * G, -1)
+    n = min(bucket(max(int(mask_BxN.sum(1).max()), 1), cfg.sampling.length_buckets),
+            tokens_BxN.shape[1])
+    tokens_BxN, mask_BxN = tokens_BxN[:, :n], mask_BxN[:, :n]
+    rollout = distributed.place(Rollout(
+        prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
+        prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
+        completion=tokens_BxN, completion_mask=mask_BxN), tr.shardings.rollout())
+    lap("sample", rollout)
+
+    texts = tr.decode(tokens_BxN, mask_BxN)
+    rewards = tr.scorer.score(texts, [tr.gold(e) for e in examples for _ in range(G)])
+    rewards_PxG = np.asarray(rewards.reward, np.float32).reshape(P, G)
+    lap("reward")
+
+    logp_old, entropy, logp_ref = tr.fns.score(state.trainable, tr.policy.frozen,
+                                               tr.policy.reference, rollout)
+    lap("scoring", logp_old, entropy, logp_ref)
+
+    shape = (P, G, -1)
+    adv, _, adv_metrics = tr.advantage_fn(
+        rewards_PxG, entropy.reshape(shape), logp_old.reshape(shape), logp_ref.reshape(shape),
+        rollout.completion_mask.reshape(shape), cfg=cfg.advantage)
+    lap("advantage", adv, adv_metrics)
+
+    batch = UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
+                        advantage=adv.reshape(P * G, -1))
+    trainable, opt_state = state.trainable, state.opt_state
+    self.last_batch = batch
+    for _ in range(t.num_iterations):
+      trainable, opt_state, m = tr.fns.update(trainable, opt_state, tr.policy.frozen, batch)
+    lap("update", trainable, opt_state, m)
+    times["step"] = time.perf_counter() - start
+
+    ref_start = time.perf_counter()  # outside the step: the reference pass alone
+    jax.block_until_ready(self.reference(trainable, tr.policy.frozen, rollout))
+    times["reference"] = min(time.perf_counter() - ref_start, times["scoring"])
+    times["scoring"] -= times["reference"]
+    new_state = RunState(trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1)
+    return new_state, times

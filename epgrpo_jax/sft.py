@@ -1,0 +1,388 @@
+"""Supervised fine-tuning (the warm start): cross-entropy on completion tokens.
+
+    python -m epgrpo_jax.sft --model DIR --data FILE.jsonl --out DIR [--steps N] [--lr LR]
+
+Each row's prompt is rendered with the tokenizer's chat template (generation
+prompt added) and its completion is followed by the EOS token; the loss is the
+mean negative log-likelihood of the completion tokens (EOS included), never of
+the prompt or padding. Sequences are padded to a few bucket lengths, so the
+jitted step compiles at most once per bucket. Full fine-tuning by default;
+`lora_rank > 0` trains LoRA adapters only (merged into the saved weights).
+
+Shape suffixes: B batch rows, T tokens, D hidden, V vocabulary, N flat tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from epgrpo_jax.metrics import Progress
+from epgrpo_jax.models import LORA, LoraConfig, Qwen2, from_pretrained, save_pretrained
+
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Supervised fine-tuning settings."""
+
+  model: str  # HF model directory (with tokenizer files)
+  data: str  # JSONL file of rows with a prompt and a completion field
+  out: str | None = None  # where to save the HF directory (None: do not save)
+  steps: int = 300
+  batch_size: int = 64
+  lr: float = 3e-3
+  warmup_ratio: float = 0.05
+  schedule: str = "cosine"  # after warm-up: "cosine" or "linear" decay to end_lr_ratio * lr, or "constant"
+  end_lr_ratio: float = 0.0
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.99
+  max_grad_norm: float = 1.0
+  seed: int = 0
+  prompt_field: str = "problem"
+  completion_field: str = "solution"
+  prompt_template: str = "{problem}"  # the user message; {problem} is the prompt field
+  max_length: int = 512  # longer examples are skipped (and counted)
+  buckets: tuple[int, ...] = ()  # padded lengths; () = 32, 48, 64, 96, 128, 192, ... max_length
+  loss_chunk_tokens: int = 8192  # the LM head runs on at most this many tokens at once
+  lora_rank: int = 0  # > 0: train LoRA adapters only
+  lora_alpha: float = 64.0
+  log_every: int = 50
+  verbose: bool = True
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "max_length", "loss_chunk_tokens", "log_every"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+    if not self.lr > 0:
+      raise ValueError(f"lr: must be > 0, got {self.lr}")
+    if not 0 <= self.warmup_ratio < 1:
+      raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+    if "{problem}" not in self.prompt_template:
+      raise ValueError("prompt_template: must contain {problem}")
+    if self.lora_rank < 0:
+      raise ValueError(f"lora_rank: must be >= 0, got {self.lora_rank}")
+    object.__setattr__(self, "buckets", tuple(sorted(self.buckets)))
+
+  def bucket_lengths(self) -> tuple[int, ...]:
+    if self.buckets:
+      return tuple(b for b in self.buckets if b < self.max_length) + (self.max_length,)
+    out, b = [], 32
+    while b < self.max_length:
+      out.append(b)
+      b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3  # 32, 48, 64, 96, 128, ...
+    return tuple(out) + (self.max_length,)
+
+
+@dataclasses.dataclass
+class SFTResult:
+  model: Qwen2  # the trained model (adapters merged if LoRA)
+  path: Path | None  # the saved HF directory
+  losses: list[float]  # per step
+  seconds: float  # wall-clock of the training loop, compiles included
+  skipped: dict[str, int]  # rows skipped, by reason
+
+
+# ----------------------------------------------------------------------------- data
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+  path = Path(path)
+  if not path.exists():
+    raise FileNotFoundError(f"{path}: no such file")
+  rows = []
+  with open(path) as f:
+    for i, line in enumerate(f):
+      if line.strip():
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{path}:{i + 1}: invalid JSON ({e})") from None
+  return rows
+
+
+def render_prompt(tokenizer, problem: str, template: str = "{problem}") -> str:
+  """The chat-rendered prompt (generation prompt added) of one problem."""
+  content = template.replace("{problem}", problem)
+  return tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                       add_generation_prompt=True, tokenize=False)
+
+
+def encode_rows(tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
+                skipped: dict[str, int] | None = None) -> list[tuple[np.ndarray, int]]:
+  """(token ids, number of prompt tokens) per usable row; the others are counted in `skipped`."""
+  skipped = {} if skipped is None else skipped
+  eos = tokenizer.eos_token_id
+  if eos is None:
+    raise ValueError("tokenizer: no eos_token; SFT needs one to end completions")
+  usable = []
+  for row in rows:
+    prompt, completion = row.get(cfg.prompt_field), row.get(cfg.completion_field)
+    if not isinstance(prompt, str) or not isinstance(completion, str) or not prompt or not completion:
+      skipped["missing_field"] = skipped.get("missing_field", 0) + 1
+    else:
+      usable.append((render_prompt(tokenizer, prompt, cfg.prompt_template), completion))
+  if not usable:
+    return []
+  prompts = tokenizer([p for p, _ in usable], add_special_tokens=False)["input_ids"]
+  completions = tokenizer([c for _, c in usable], add_special_tokens=False)["input_ids"]
+  out = []
+  for p, c in zip(prompts, completions):
+    if len(p) + len(c) + 1 > cfg.max_length:
+      skipped["too_long"] = skipped.get("too_long", 0) + 1
+      continue
+    out.append((np.asarray(p + c + [eos], np.int32), len(p)))
+  return out
+
+
+def batches(examples: Sequence[tuple[np.ndarray, int]], batch_size: int,
+            buckets: Sequence[int], pad_id: int, seed: int) -> Iterator[dict[str, np.ndarray]]:
+  """An endless stream of padded batches, rows grouped by bucket length.
+
+  Each epoch shuffles every bucket and cuts it into full batches; a bucket's
+  remainder moves up to the next bucket, the last one's wraps around.
+  """
+  if not examples:
+    raise ValueError("no training examples")
+  buckets = sorted(buckets)
+  by_bucket: dict[int, list[int]] = {b: [] for b in buckets}
+  for i, (ids, _) in enumerate(examples):
+    by_bucket[next(b for b in buckets if len(ids) <= b)].append(i)
+  rng = np.random.default_rng(seed)
+  while True:
+    plan = []
+    carry: list[int] = []
+    for b in buckets:
+      pool = carry + list(rng.permutation(by_bucket[b]))
+      n_full = len(pool) // batch_size
+      plan += [(b, pool[k * batch_size:(k + 1) * batch_size]) for k in range(n_full)]
+      carry = pool[n_full * batch_size:]
+    if carry:
+      everything = [i for b in buckets for i in by_bucket[b]]
+      fill = list(rng.choice(everything, batch_size - len(carry)))
+      plan.append((buckets[-1], carry + fill))
+    for k in rng.permutation(len(plan)):
+      length, idx = plan[k]
+      yield _pad_batch([examples[i] for i in idx], length, pad_id)
+
+
+def _pad_batch(rows: Sequence[tuple[np.ndarray, int]], length: int,
+               pad_id: int) -> dict[str, np.ndarray]:
+  b = len(rows)
+  tokens = np.full((b, length), pad_id, np.int32)
+  mask = np.zeros((b, length), np.int32)
+  loss_mask = np.zeros((b, length), np.float32)
+  for r, (ids, n_prompt) in enumerate(rows):
+    tokens[r, :len(ids)] = ids
+    mask[r, :len(ids)] = 1
+    loss_mask[r, n_prompt:len(ids)] = 1.0
+  return {"tokens_BxT": tokens, "mask_BxT": mask, "loss_mask_BxT": loss_mask}
+
+
+# ----------------------------------------------------------------------------- loss and step
+
+def token_nll(hidden_NxD, head_DxV, targets_N, chunk: int):
+  """Per-token negative log-likelihood, the LM head applied `chunk` tokens at a time."""
+  n = hidden_NxD.shape[0]
+  chunk = min(chunk, n)
+  pad = (-n) % chunk
+
+  @jax.checkpoint
+  def one(args):
+    h_CxD, t_C = args
+    logits_CxV = jnp.einsum("cd,dv->cv", h_CxD, head_DxV, preferred_element_type=jnp.float32)
+    target = jnp.take_along_axis(logits_CxV, t_C[:, None], axis=-1)[:, 0]
+    return jax.nn.logsumexp(logits_CxV, axis=-1) - target
+
+  h = jnp.pad(hidden_NxD, ((0, pad), (0, 0)))
+  t = jnp.pad(targets_N, (0, pad))
+  if h.shape[0] == chunk:
+    nll = one((h, t))
+  else:
+    nll = jax.lax.map(one, (h.reshape(-1, chunk, h.shape[-1]), t.reshape(-1, chunk))).reshape(-1)
+  return nll[:n]
+
+
+def sft_loss(model: Qwen2, batch: dict[str, jax.Array], chunk: int) -> jax.Array:
+  """Mean NLL of the completion tokens: position t predicts token t + 1."""
+  tokens = batch["tokens_BxT"]
+  b, t = tokens.shape
+  positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  hidden_BxTxD, _ = model(tokens, positions_BxT, batch["mask_BxT"])
+  hidden_NxD = hidden_BxTxD[:, :-1].reshape(b * (t - 1), -1)
+  nll_N = token_nll(hidden_NxD, model.head_DxV(), tokens[:, 1:].reshape(-1), chunk)
+  weight_N = batch["loss_mask_BxT"][:, 1:].reshape(-1)
+  return jnp.sum(nll_N * weight_N) / jnp.maximum(jnp.sum(weight_N), 1.0)
+
+
+def make_schedule(cfg: SFTConfig) -> optax.Schedule:
+  """Linear warm-up from 0, then cosine or linear decay to `end_lr_ratio * lr`, or constant."""
+  warmup = int(cfg.warmup_ratio * cfg.steps)
+  decay_steps = max(cfg.steps - warmup, 1)
+  if cfg.schedule == "cosine":
+    decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.end_lr_ratio)
+  elif cfg.schedule == "constant":
+    decay = optax.constant_schedule(cfg.lr)
+  else:
+    decay = optax.linear_schedule(cfg.lr, cfg.lr * cfg.end_lr_ratio, decay_steps)
+  return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), decay], [warmup])
+
+
+def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+  """AdamW on `make_schedule`, after global-norm gradient clipping."""
+  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                     optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+                                 weight_decay=cfg.weight_decay))
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, chunk: int):
+  """The jitted update over (params, opt_state, rest, batch); params and opt_state donated."""
+
+  def loss_fn(params, rest, batch):
+    return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, rest, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, rest, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+# ----------------------------------------------------------------------------- training
+
+def train(model: Qwen2, tokenizer, rows: Sequence[dict[str, Any]],
+          cfg: SFTConfig) -> SFTResult:
+  """Fine-tunes `model` in place on `rows`; returns it with the loss history."""
+  skipped: dict[str, int] = {}
+  examples = encode_rows(tokenizer, rows, cfg, skipped)
+  if not examples:
+    raise ValueError(f"{cfg.data}: no usable rows (skipped: {skipped})")
+  pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+  trainable = LORA if cfg.lora_rank else nnx.Param
+  graphdef, params, rest = nnx.split(model, trainable, ...)
+  tx, schedule = make_optimizer(cfg), make_schedule(cfg)
+  opt_state = jax.jit(tx.init)(params)  # jitted: same (non-weak) types as the step's outputs
+  step_fn = make_train_step(graphdef, tx, cfg.loss_chunk_tokens)
+  stream = batches(examples, cfg.batch_size, cfg.bucket_lengths(), pad_id, cfg.seed)
+  bar = Progress(cfg.steps, "sft", enabled=cfg.verbose, plain=False)  # a live bar on a terminal
+  log = bar.print if cfg.verbose else (lambda *a, **k: None)
+  if skipped:
+    log(f"[sft] skipped rows: {skipped}", flush=True)
+  losses: list[float] = []
+  t_start = t_log = time.time()
+  tokens_since = 0
+  pending = []
+  for step in range(1, cfg.steps + 1):
+    batch = next(stream)
+    tokens_since += int(batch["mask_BxT"].sum())
+    params, opt_state, loss = step_fn(params, opt_state, rest, batch)
+    pending.append(loss)
+    bar.update()
+    if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+      values = [float(x) for x in jax.device_get(pending)]
+      losses += values
+      pending = []
+      now = time.time()
+      rate = tokens_since / max(now - t_log, 1e-9)
+      log(f"[sft] step {step}/{cfg.steps} loss {np.mean(values):.4f} "
+          f"lr {float(schedule(step - 1)):.2e} tok/s {rate:.0f} "
+          f"elapsed {now - t_start:.1f}s eta {bar.eta_str()}", flush=True)
+      bar.update({"loss": float(np.mean(values)), "tok/s": rate}, n=0)
+      t_log, tokens_since = now, 0
+  bar.close()
+  nnx.update(model, params)
+  seconds = time.time() - t_start
+  return SFTResult(model=model, path=None, losses=losses, seconds=seconds, skipped=skipped)
+
+
+def sft(cfg: SFTConfig) -> SFTResult:
+  """Loads `cfg.model`, fine-tunes it on `cfg.data`, saves to `cfg.out` (tokenizer copied)."""
+  from transformers import AutoTokenizer
+
+  tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+  lora = LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.lora_rank else None
+  model = from_pretrained(cfg.model, lora=lora, seed=cfg.seed)
+  result = train(model, tokenizer, read_rows(cfg.data), cfg)
+  if cfg.out is not None:
+    result.path = save_pretrained(result.model, cfg.out, tokenizer_dir=cfg.model)
+    if cfg.verbose:
+      print(f"[sft] saved {result.path}", flush=True)
+  return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+class _Parser(argparse.ArgumentParser):
+  """argparse that reports a usage error in one line and exits 2."""
+
+  def error(self, message: str):
+    sys.stderr.write(f"{self.prog}: error: {message}\n")
+    sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+  d = SFTConfig(model="", data="")
+  p = _Parser(prog="python -m epgrpo_jax.sft", description=__doc__.splitlines()[0])
+  p.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
+  p.add_argument("--data", required=True, help="JSONL file with prompt and completion fields")
+  p.add_argument("--out", required=True, help="output HF directory")
+  p.add_argument("--steps", type=int, default=d.steps)
+  p.add_argument("--lr", type=float, default=d.lr)
+  p.add_argument("--batch-size", type=int, default=d.batch_size)
+  p.add_argument("--seed", type=int, default=d.seed)
+  p.add_argument("--warmup-ratio", type=float, default=d.warmup_ratio)
+  p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
+  p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+  p.add_argument("--max-length", type=int, default=d.max_length)
+  p.add_argument("--prompt-field", default=d.prompt_field)
+  p.add_argument("--completion-field", default=d.completion_field)
+  p.add_argument("--prompt-template", default=d.prompt_template,
+                 help="user message around the prompt field, e.g. '{problem} Think step by step.'")
+  p.add_argument("--lora-rank", type=int, default=d.lora_rank)
+  p.add_argument("--log-every", type=int, default=d.log_every)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  try:
+    cfg = SFTConfig(model=args.model, data=args.data, out=args.out, steps=args.steps, lr=args.lr,
+                    batch_size=args.batch_size, seed=args.seed, warmup_ratio=args.warmup_ratio,
+                    schedule=args.schedule, weight_decay=args.weight_decay,
+                    max_length=args.max_length, prompt_field=args.prompt_field,
+                    completion_field=args.completion_field,
+                    prompt_template=args.prompt_template, lora_rank=args.lora_rank,
+                    log_every=args.log_every)
+  except ValueError as e:
+    parser.error(str(e))
+  for name, path in (("--model", Path(args.model)), ("--data", Path(args.data))):
+    if not path.exists():
+      parser.error(f"{name}: {path} does not exist")
+  if not (Path(args.model) / "config.json").exists():
+    parser.error(f"--model: {args.model} has no config.json (not an HF model directory)")
+  sft(cfg)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,132 @@
+"""The comparison tooling: variant configs, statistics, and the `--quick` pipeline end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from epgrpo_jax.advantages import VARIANTS as ADVANTAGE_VARIANTS
+from epgrpo_jax import configlib
+from epgrpo_jax.configlib import ConfigError
+from epgrpo_jax.experiments import compare
+
+
+@pytest.mark.parametrize("variant", compare.VARIANTS, ids=lambda v: v.name)
+def test_variant_configs_resolve_to_their_switches(variant):
+  cfg = compare.variant_config(variant, ["train.steps=7"])
+  want = ADVANTAGE_VARIANTS[variant.advantage]
+  assert cfg.advantage.entropy_gate == want["entropy_gate"]
+  assert cfg.advantage.progress_signal == want["progress_signal"]
+  if want["progress_signal"]:
+    assert cfg.advantage.zero_variance_anchor == want["zero_variance_anchor"]
+  assert cfg.train.steps == 7
+  default = compare.variant_config(compare.BY_NAME["epgrpo"])
+  expected_t = 1.2 if variant.name == "higher_temp" else default.sampling.temperature
+  expected_g = 10 if variant.name == "more_rollouts" else default.train.num_generations
+  assert cfg.sampling.temperature == expected_t
+  assert cfg.train.num_generations == expected_g
+  # Everything but the advantage switches, T, G and the output directory equals EP-GRPO's.
+  def rest(c):
+    d = configlib.to_dict(c)
+    del d["advantage"], d["sampling"]["temperature"], d["train"]["num_generations"]
+    del d["train"]["output_dir"]
+    return d
+  assert rest(cfg) == rest(default.override("train.steps=7"))
+
+
+def test_variant_config_rejects_wrong_switches():
+  with pytest.raises(ConfigError, match="advantage switches"):
+    compare.variant_config(compare.BY_NAME["grpo"], ["advantage.entropy_gate=true"])
+
+
+def test_check_plan_requires_the_same_budget(tmp_path):
+  args = compare.parse_args(["--variants", "grpo,eg", "--seeds", "1", "--out", str(tmp_path)])
+  plan = compare.make_plan(args)
+  assert len(compare.check_plan(plan)) == 2
+  (tmp_path / "cfg").mkdir()
+  for name in ("grpo.yaml", "eg.yaml"):
+    text = (compare.CONFIG_DIR / name).read_text()
+    if name == "eg.yaml":
+      text += "train: {steps: 3}\n"
+    (tmp_path / "cfg" / name).write_text(text)
+  plan = compare.make_plan(compare.parse_args(["--variants", "grpo,eg", "--seeds", "1",
+                                               "--out", str(tmp_path), "--config-dir",
+                                               str(tmp_path / "cfg")]))
+  with pytest.raises(ConfigError, match="train.steps: differs"):
+    compare.check_plan(plan)
+
+
+def test_zero_variance_stats_and_difference():
+  records = [{"step": 1, "frac_reward_zero_std": 0.0, "ep/zero_variance_token_frac": 0.0},
+             {"step": 2, "frac_reward_zero_std": 0.5, "ep/zero_variance_token_frac": 0.4},
+             {"step": 2, "heldout/accuracy": 0.3},
+             {"step": 3, "frac_reward_zero_std": 0.25, "ep/zero_variance_token_frac": 0.2},
+             {"step": 3, "frac_reward_zero_std": 0.25, "ep/zero_variance_token_frac": 0.2}]
+  z = compare.zero_variance_stats(compare.step_records(records))
+  assert z["steps_with_zero_variance"] == pytest.approx(2 / 3)
+  assert z["zero_variance_group_frac"] == pytest.approx(0.25)
+  assert z["zero_variance_token_frac"] == pytest.approx(0.2)
+  a = compare.mean_std([0.5, 0.6, 0.7])
+  b = compare.mean_std([0.1, 0.2, 0.3])
+  d, significant = compare.difference(a, b)
+  assert d == pytest.approx(0.4) and significant
+  d, significant = compare.difference(compare.mean_std([0.5]), b)
+  assert significant is None
+  assert compare.mean_std([None, 0.2])["n"] == 1
+
+
+QUICK_ARGS = ("embedded.sft_steps=10", "embedded.sft_batch_size=8", "train.prompts_per_step=4",
+              "train.num_generations=4", "sampling.max_new_tokens=32", "data.heldout_limit=8",
+              "eval.prompts_per_batch=8", "checkpoint.keep=1")
+
+
+@pytest.mark.slow
+def test_quick_comparison_writes_report_and_resumes(tmp_path, capsys):
+  out = tmp_path / "out"
+  argv = ["--quick", "--out", str(out), f"embedded.data_dir={tmp_path / 'data'}", *QUICK_ARGS]
+  assert compare.main(argv) == 0
+  results = {}
+  for name in compare.QUICK_VARIANTS:
+    path = out / "runs" / name / "seed1" / "result.json"
+    results[name] = json.loads(path.read_text())
+    r = results[name]
+    assert r["steps"] == 3 and r["seed"] == 1
+    for key in compare.EVAL_KEYS:
+      assert 0.0 <= r["heldout_after"][key] <= 1.0, key
+    assert 0.0 <= r["zero_variance"]["steps_with_zero_variance"] <= 1.0
+    assert r["logged_steps"] == 3
+  assert results["grpo"]["heldout_before"] is not None
+  assert results["epgrpo"]["heldout_before"] is None
+  assert results["grpo"]["model_path"] == results["epgrpo"]["model_path"]  # one warm start
+
+  summary = json.loads((out / "summary.json").read_text())
+  assert set(summary["variants"]) == {"grpo", "epgrpo"}
+  acc = summary["variants"]["epgrpo"]["eval"]["accuracy"]
+  assert acc["n"] == 1 and acc["mean"] == pytest.approx(results["epgrpo"]["heldout_after"]["accuracy"])
+
+  report = (out / "results.md").read_text()
+  assert "| Method | Acc | Fmt | pass@4 | pass@8 | pass@16 | ΔAcc vs GRPO | seeds |" in report
+  rows = [l for l in report.splitlines() if l.startswith(("| GRPO |", "| EP-GRPO |"))]
+  assert len(rows) >= 4  # in the Table II and Table IV shapes (and the other tables)
+  number = re.compile(r"^-?\d+\.\d( ± \d+\.\d)?$")
+  for row in rows[:2]:
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(number.match(c) for c in cells[1:6]), row
+  assert "Zero-variance statistics" in report and "58.77%" in report
+  png = out / "curves" / "curves.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert (out / "curves" / "frac_reward_zero_std.png").is_file()
+
+  # A rerun trains nothing and rebuilds the same report.
+  mtimes = {n: (out / "runs" / n / "seed1" / "result.json").stat().st_mtime_ns for n in results}
+  capsys.readouterr()
+  assert compare.main(argv) == 0
+  printed = capsys.readouterr().out
+  assert printed.count("done already") == 2 and "training" not in printed
+  assert {n: (out / "runs" / n / "seed1" / "result.json").stat().st_mtime_ns
+          for n in results} == mtimes
+  assert np.isclose(json.loads((out / "summary.json").read_text())["variants"]["epgrpo"]["eval"]
+                    ["accuracy"]["mean"], acc["mean"])

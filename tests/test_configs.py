@@ -1,0 +1,61 @@
+"""The shipped configs load, the defaults file equals the dataclass defaults, the README runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from epgrpo_jax import configlib
+from epgrpo_jax.config import CONFIG_DIR, TrainConfig, load_config
+
+from helpers import tiny_hf_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("qwen2.5-*.yaml"))
+EMBEDDED_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name not in PAPER_CONFIGS)
+
+
+def test_default_file_equals_dataclass_defaults():
+  """An empty config and configs/default.yaml are the same run."""
+  from_file = configlib.to_dict(load_config(CONFIG_DIR / "default.yaml"))
+  assert from_file == configlib.to_dict(TrainConfig())
+
+
+@pytest.mark.parametrize("name", EMBEDDED_CONFIGS)
+def test_embedded_configs_load(name):
+  cfg = load_config(CONFIG_DIR / name)
+  assert cfg.model.path == "embedded"
+  assert cfg.train.num_generations >= 2
+
+
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_paper_configs_load_with_a_local_model(name, tmp_path, monkeypatch, shared_data):
+  monkeypatch.chdir(ROOT)  # their data paths are relative to the repository root
+  model_dir = tiny_hf_dir(tmp_path / "model")
+  cfg = load_config(CONFIG_DIR / name, [f"model.path={model_dir}"])
+  # Section VII of the paper: lr 5e-6, warm-up 0.1, beta 0.001, clip 0.2, 16 prompts per step.
+  assert cfg.optim.learning_rate == 5e-6 and cfg.optim.warmup_ratio == 0.1
+  assert cfg.loss.beta == 0.001 and cfg.loss.eps_low == cfg.loss.eps_high == 0.2
+  assert cfg.train.prompts_per_step == 16
+  expected_g = 10 if "more-rollouts" in name else 8
+  assert cfg.train.num_generations == expected_g
+  assert cfg.sampling.temperature == (1.2 if "higher-temp" in name else 1.0)
+  ep = "epgrpo" in name
+  a = cfg.advantage
+  assert (a.entropy_gate, a.progress_signal, a.zero_variance_anchor) == (ep, ep, ep)
+
+
+def test_paper_config_without_model_path_is_a_one_line_error(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  with pytest.raises(ValueError, match=r"^model\.path: not a directory: /path/to/Qwen2\.5-3B$"):
+    load_config(CONFIG_DIR / "qwen2.5-3b-epgrpo.yaml")
+
+
+def test_readme_python_examples_run():
+  """Every ```python block of the README runs as written."""
+  blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+  assert blocks
+  for block in blocks:
+    exec(compile(block, "README.md", "exec"), {})
