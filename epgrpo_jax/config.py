@@ -161,11 +161,14 @@ class EmbeddedConfig:
   sft_steps: int = 800
   sft_learning_rate: float = 3e-3
   sft_batch_size: int = 16
+  sft_slip: float = 0.0  # share of demonstration steps with a near-miss result
   heldout_problems: int = 128
 
   def __post_init__(self):
     _positive("embedded", self, "sft_steps", "sft_learning_rate", "sft_batch_size",
               "heldout_problems")
+    if not 0 <= self.sft_slip < 1:
+      raise ValueError(f"embedded.sft_slip: must be in [0, 1), got {self.sft_slip}")
 
   def resolved_data_dir(self) -> Path:
     if self.data_dir:

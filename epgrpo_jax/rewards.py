@@ -418,20 +418,45 @@ def resolve_reward_function(spec: str) -> Callable[[list[str], list[str]], Seque
 
 
 def custom_rewards(spec: str, completions: Sequence[str], golds: Sequence[Any]) -> RewardResult:
-  """Rewards from the `reward.function` named by `spec` (host process, no timeout)."""
+  """Rewards from the `reward.function` named by `spec` (host process, no timeout).
+
+  The function scores the whole batch. If it raises or returns anything but one
+  finite number per completion, it is called again one completion at a time; a
+  completion whose call still fails scores 0 and is counted in `errors` (status
+  "error"), with a warning. It never stops the run.
+  """
   start = time.perf_counter()
+  fn = resolve_reward_function(spec)
   answers = [parse_gold(g).raw for g in golds]
-  values = resolve_reward_function(spec)(list(completions), answers)
-  reward = np.asarray(list(values), np.float32)
-  if reward.shape != (len(completions),):
-    raise ValueError(f"reward.function: {spec} returned {reward.shape} values for "
-                     f"{len(completions)} completions")
-  if not np.all(np.isfinite(reward)):
-    raise ValueError(f"reward.function: {spec} returned a non-finite reward")
   n = len(completions)
+  status = ["custom"] * n
+  reward = _call_reward(fn, list(completions), answers)
+  if reward is None:
+    reward = np.zeros(n, np.float32)
+    for i in range(n):
+      one = _call_reward(fn, [completions[i]], [answers[i]])
+      if one is None:
+        status[i] = "error"
+      else:
+        reward[i] = one[0]
+  errors = status.count("error")
+  if errors:
+    log.warning("reward.function %s failed on %d of %d completions; they score 0", spec, errors, n)
   return RewardResult(reward=reward, accuracy=reward.copy(), format=np.zeros(n, np.float32),
-                      answers=[None] * n, status=["custom"] * n,
+                      answers=[None] * n, status=status, errors=errors,
                       seconds=time.perf_counter() - start)
+
+
+def _call_reward(fn, completions: list[str], answers: list[str]) -> np.ndarray | None:
+  """`fn`'s rewards as float32 [N], or None if it raised or gave a wrong or non-finite result."""
+  try:
+    reward = np.asarray(list(fn(completions, answers)), np.float32)
+  except Exception as e:  # a user function: any failure is that batch's, not the run's
+    log.debug("reward.function raised %s: %s", type(e).__name__, e)
+    return None
+  if reward.shape != (len(completions),) or not np.all(np.isfinite(reward)):
+    return None
+  return reward
 
 
 def _checker_spec(checker: str | Callable | None) -> str:

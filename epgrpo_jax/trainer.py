@@ -96,7 +96,8 @@ def resolve_embedded(cfg: TrainConfig, progress: bool = True) -> TrainConfig:
   e = cfg.embedded
   assets = arithmetic.build_assets(e.resolved_data_dir(), seed=e.seed)
   model_dir = arithmetic.warm_start(assets, steps=e.sft_steps, learning_rate=e.sft_learning_rate,
-                                    batch_size=e.sft_batch_size, seed=e.seed, progress=progress)
+                                    batch_size=e.sft_batch_size, seed=e.seed, slip=e.sft_slip,
+                                    progress=progress)
   data_cfg = cfg.data
   if not data_cfg.train_files:
     # The task's prompts are bare problems ("Compute 7*5-3*2."), as in the warm start.

@@ -71,10 +71,10 @@ def test_perturbation_test_end_to_end(tiny):
   rng = np.random.default_rng(0)
   with RewardScorer() as scorer:
     # A gold solution continued by nothing is scored correct: prefix + continuation is what counts.
-    items = [(i, s) for i, s in enumerate(t["solutions"])]
+    items = list(enumerate(t["solutions"]))
     full = perturb.continue_and_score(
         t["sampler"], t["model"], t["examples"], t["golds"], t["tokenizer"], scorer,
-        [(i, s) for i, s in items], continuations=2, key=jax.random.key(0), prompts_per_batch=4,
+        items, continuations=2, key=jax.random.key(0), prompts_per_batch=4,
         max_total=0)
     assert full.shape == (4, 2) and full.min() == 1.0
 

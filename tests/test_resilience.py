@@ -65,7 +65,8 @@ def overrides(task, out_dir: Path, *extra: str) -> list[str]:
           "lora.rank=2", "optim.learning_rate=1e-2", "optim.warmup_ratio=0.0",
           "reward.function=resilience_reward:graded", f"train.output_dir={out_dir}",
           "eval.before=false", "eval.after=false", "logging.progress=false",
-          "logging.tensorboard=false", "logging.samples_every=0", "checkpoint.every=1", *extra]
+          "logging.tensorboard=false", "logging.samples_every=0", "checkpoint.every=1",
+          "checkpoint.keep=20", *extra]
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -133,7 +134,7 @@ class Run:
     return self.err_path.read_text()
 
   def wait_for(self, what: str, cond: Callable[[], bool], *, poll_s: float = 0.002,
-               timeout_s: float = 600) -> None:
+               timeout_s: float = 900) -> None:
     """Polls `cond` while the process runs; fails if it exits first."""
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -145,7 +146,7 @@ class Run:
         raise AssertionError(f"{self.name}: no {what} after {timeout_s}s")
       time.sleep(poll_s)
 
-  def finish(self, timeout_s: float = 600) -> int:
+  def finish(self, timeout_s: float = 900) -> int:
     try:
       return self.proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -288,8 +289,8 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(crash_runs):
   assert load_meta(last_ref) == load_meta(last_run)
   assert_same_arrays(load_file(ref / "policy" / "model.safetensors"),
                      load_file(run / "policy" / "model.safetensors"))
-  start = load_state(last_ref)
-  assert any(np.abs(v).max() > 0 for k, v in part(start, "['trainable']").items()
+  final = load_state(last_ref)
+  assert any(np.abs(v).max() > 0 for k, v in part(final, "['trainable']").items()
              if "lora_b" in k)  # the adapters moved from their zero start
 
 

@@ -392,9 +392,24 @@ def test_custom_reward_function_errors_are_one_line():
     R.RewardConfig(function="no_colon")
   with pytest.raises(ValueError, match="cannot import"):
     R.RewardScorer(R.RewardConfig(function="no_such_module_xyz:f"))
-  with pytest.raises(ValueError, match="returned"):
-    R.custom_rewards(f"{__name__}:one_reward_only", ["a", "b"], ["1", "2"])
 
 
 def one_reward_only(completions: list[str], answers: list[str]) -> list[float]:
-  return [0.0]
+  return [0.5]
+
+
+def picky_reward(completions: list[str], answers: list[str]) -> list[float]:
+  """Raises on a completion containing "boom"; NaN for "nan"; else 1."""
+  if any("boom" in c for c in completions):
+    raise RuntimeError("boom")
+  return [float("nan") if c == "nan" else 1.0 for c in completions]
+
+
+def test_custom_reward_failures_score_zero_and_are_counted(caplog):
+  res = R.custom_rewards(f"{__name__}:picky_reward", ["ok", "boom!", "nan", "fine"], ["1"] * 4)
+  assert res.reward.tolist() == [1.0, 0.0, 0.0, 1.0]
+  assert res.status == ["custom", "error", "error", "custom"] and res.errors == 2
+  assert "failed on 2 of 4 completions" in caplog.text
+  # One value for a batch of two: retried one at a time, where it gives one value each.
+  res = R.custom_rewards(f"{__name__}:one_reward_only", ["a", "b"], ["1", "2"])
+  assert res.reward.tolist() == [0.5, 0.5] and res.errors == 0

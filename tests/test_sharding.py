@@ -122,7 +122,9 @@ def test_sharded_run_matches_one_device(sharded, reference):
     assert a.keys() == b.keys()
     for k in a:
       np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=f"step {step + 1}: {k}")
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5),
+  # Adam divides by the root of the second moment: 1e-6 gradient differences from another
+  # reduction order can move a weight by ~1e-5 after a few steps; a sharding error moves it by far more.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4),
                got["trainable"], reference["trainable"])
   for m in reference["metrics"]:  # real learning signal, not float noise
     assert m["reward_std"] > 0.01 and m["grad_norm"] > 1e-2, m
@@ -138,7 +140,9 @@ def test_sharded_advantages_match_one_device(sharded, reference):
   for step, (a, b) in enumerate(zip(got["advantage_calls"], reference["advantage_calls"])):
     for name, x, y in zip(names, a["inputs"], b["inputs"]):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"step {step + 1}: {name}")
-    np.testing.assert_allclose(a["advantage"], b["advantage"], rtol=1e-5, atol=1e-5,
+    # The bucket z-scores divide by within-bucket spreads, which magnifies the 1e-6
+    # differences of the inputs; on identical inputs (below) the match is 1e-5.
+    np.testing.assert_allclose(a["advantage"], b["advantage"], rtol=1e-4, atol=1e-4,
                                err_msg=f"step {step + 1}: advantage")
     adv = got["program"](*b["inputs"], cfg=got["advantage_cfg"])[0]
     assert adv.sharding.spec[0] == got["batch_axes"]

@@ -85,7 +85,8 @@ ZV_KEYS = (("steps_with_zero_variance", "steps with a zero-variance group"),
            ("anchor_group_frac", "groups with an anchor (ZVD)"))
 DIAG_KEYS = (("ep/gate_mean", "gate W mean"), ("ep/gate_std", "gate W std"),
              ("ep/polarity_flip_frac", "polarity flips"),
-             ("ep/outcome_adv_abs_mean", "|A outcome|"), ("ep/progress_adv_abs_mean", "|A progress|"),
+             ("ep/outcome_adv_abs_mean", "mean abs A outcome"),
+             ("ep/progress_adv_abs_mean", "mean abs A progress"),
              ("kl", "KL"), ("entropy", "entropy"), ("completions/mean_length", "length"))
 PAPER_NOTE = ("Paper (Qwen2.5-3B, MATH, G=8): 58.77% of GRPO training steps contained a "
               "zero-variance group; EP-GRPO beat GRPO by +4.79 points of average Acc (Table II).")
