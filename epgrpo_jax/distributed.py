@@ -93,7 +93,12 @@ def put(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
   if isinstance(x, jax.Array):
     if x.sharding.is_equivalent_to(sharding, x.ndim):
       return x
-    return jax.device_put(x, sharding)
+    if sharding.is_fully_addressable or not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    # A process-local array holding the same value on every process -> one global array.
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      data = put(np.asarray(jax.random.key_data(x)), sharding)
+      return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   x = np.asarray(x)
   if sharding.is_fully_addressable:
     return jax.device_put(x, sharding)

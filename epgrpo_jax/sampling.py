@@ -377,9 +377,10 @@ class Sampler:
 
     if self.mesh is not None:
       from epgrpo_jax import sharding
+      from epgrpo_jax.distributed import put  # global arrays, also across processes
       batch = sharding.NamedSharding(self.mesh, sharding.spec_for(("batch", None), ids_PxTp.shape, self.mesh))
-      ids, mask = jax.device_put(ids_PxTp, batch), jax.device_put(mask_PxTp, batch)
-      key = jax.device_put(key, sharding.replicated(self.mesh))
+      ids, mask = put(ids_PxTp, batch), put(mask_PxTp, batch)
+      key = put(key, sharding.replicated(self.mesh))
     else:
       ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
     eos = () if self.config.ignore_eos else tuple(self.eos_ids if eos_ids is None else eos_ids)
