@@ -199,18 +199,7 @@ def read_rows(path: str | Path, stats: LoadStats | None = None) -> list[Any]:
       raise ValueError(f"{path}: unreadable Parquet file ({type(e).__name__}: {e})") from None
   raw = path.read_bytes()
   if path.suffix.lower() == ".json" or raw.lstrip().startswith(b"["):
-    try:
-      data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-      raise ValueError(f"{path}: not UTF-8") from None
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}
-      lists = [v for v in data.values() if isinstance(v, list)]
-      data = lists[0] if len(lists) == 1 else None
-    if not isinstance(data, list):
-      raise ValueError(f"{path}: expected a JSON array of rows")
-    return data
+    return json_array_rows(path, raw)
   rows = []
   for lineno, line in enumerate(raw.split(b"\n"), 1):
     if not line.strip():
@@ -374,3 +363,19 @@ def load_benchmarks(names: Sequence[str], files: Mapping[str, str] | None = None
     spec = get_spec(name)
     out[spec.name] = load_benchmark(spec.name, files.get(spec.name), data_dir, limit)
   return out
+
+
+def json_array_rows(path: Path, raw: bytes) -> list:
+  """The rows of a JSON file: a top-level array, or the one list of a {"data": [...]} object."""
+  try:
+    data = json.loads(raw.decode("utf-8"))
+  except UnicodeDecodeError:
+    raise ValueError(f"{path}: not UTF-8") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+  if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}
+    lists = [v for v in data.values() if isinstance(v, list)]
+    data = lists[0] if len(lists) == 1 else None
+  if not isinstance(data, list):
+    raise ValueError(f"{path}: expected a JSON array of rows")
+  return data

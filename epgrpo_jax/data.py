@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 import grain
 import numpy as np
 
+from epgrpo_jax.benchmarks import json_array_rows
+
 log = logging.getLogger("epgrpo_jax.data")
 
 SKIP_REASONS = ("bad_json", "not_utf8", "not_an_object", "missing_problem", "missing_answer",
@@ -104,18 +106,7 @@ def read_rows(path: str | Path, skips: SkipCounts) -> list[dict]:
       raise ValueError(f"{path}: unreadable Parquet file ({e})") from None
   raw = path.read_bytes()
   if suffix == ".json":
-    try:
-      data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-      raise ValueError(f"{path}: not UTF-8") from None
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-    if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}
-      lists = [v for v in data.values() if isinstance(v, list)]
-      data = lists[0] if len(lists) == 1 else None
-    if not isinstance(data, list):
-      raise ValueError(f"{path}: expected a JSON array of rows")
-    return data
+    return json_array_rows(path, raw)
   rows = []
   for lineno, line in enumerate(raw.split(b"\n"), 1):
     if not line.strip():
