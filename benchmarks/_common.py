@@ -302,33 +302,23 @@ class PhasedStep:
   """`Trainer.step` (single process), with the device synchronised after each phase.
 
   Same programs and data as the trainer: the sampler, the fused scoring +
-  reference program, the advantage program and the update. The reference pass
-  is part of the fused program; its share is measured by a separate
-  reference-only program (adapters off) run once per step outside the step
-  time, and subtracted from the fused program's time.
+  reference program (or, with `train.reuse_sampler_logprobs`, the sampler's
+  log-probs and the reference-only program), the advantage program and the
+  update. The reference pass's share is measured by the trainer's
+  reference-only program, run once per step outside the step time, and
+  subtracted from the scoring time.
   """
 
   def __init__(self, trainer):
-    import jax
-    from flax import nnx
-
-    from epgrpo_jax import steps
-
     if trainer.cfg.train.mini_batches != 1:
       raise ValueError("PhasedStep: train.mini_batches must be 1")
     self.trainer = trainer
     self.last_batch = None
-    graphdef, temperature = trainer.policy.graphdef, trainer.cfg.sampling.temperature or 1.0
-
-    def reference(trainable, frozen, rollout):
-      model = nnx.merge(graphdef, frozen, trainable)
-      return steps.completion_logprobs(model, rollout, temperature=temperature, adapters=False)[0]
-
-    self.reference = jax.jit(reference)
 
   def __call__(self, state):
     """(new state, {phase: seconds, "step": total, "reference_only": seconds})."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from epgrpo_jax import distributed
@@ -369,8 +359,12 @@ class PhasedStep:
     rewards_PxG = np.asarray(rewards.reward, np.float32).reshape(P, G)
     lap("reward")
 
-    logp_old, entropy, logp_ref = tr.fns.score(state.trainable, tr.policy.frozen,
-                                               tr.policy.reference, rollout)
+    if t.reuse_sampler_logprobs:  # the sampler's log-probs and entropies; the reference pass only
+      logp_old, entropy = (jnp.asarray(x.reshape(P * G, -1)[:, :n]) for x in (host.logp, host.entropy))
+      logp_ref = tr.fns.reference(state.trainable, tr.policy.frozen, tr.policy.reference, rollout)
+    else:
+      logp_old, entropy, logp_ref = tr.fns.score(state.trainable, tr.policy.frozen,
+                                                 tr.policy.reference, rollout)
     lap("scoring", logp_old, entropy, logp_ref)
 
     shape = (P, G, -1)
@@ -389,7 +383,7 @@ class PhasedStep:
     times["step"] = time.perf_counter() - start
 
     ref_start = time.perf_counter()  # outside the step: the reference pass alone
-    jax.block_until_ready(self.reference(trainable, tr.policy.frozen, rollout))
+    jax.block_until_ready(tr.fns.reference(trainable, tr.policy.frozen, tr.policy.reference, rollout))
     times["reference"] = min(time.perf_counter() - ref_start, times["scoring"])
     times["scoring"] -= times["reference"]
     new_state = RunState(trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1)

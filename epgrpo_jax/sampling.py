@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.models import Qwen2, as_dtype, init_cache
+from epgrpo_jax.models import Qwen2, as_dtype, init_cache, merge_lora
 
 logger = logging.getLogger("epgrpo_jax.sampling")
 
@@ -51,7 +51,9 @@ class SamplingConfig:
   decode loop runs in up to `decode_segments` segments whose caches grow, so
   early steps attend over fewer slots (each segment is one more loop body to
   compile). `ignore_eos` never stops at a stop token: every completion gets
-  exactly `max_new_tokens` (benchmarks).
+  exactly `max_new_tokens` (benchmarks). `merge_lora` folds LoRA adapters into
+  the kernels once per call instead of applying them at every decode step
+  (the same policy up to rounding in the compute dtype).
   """
 
   temperature: float = 1.0
@@ -64,6 +66,7 @@ class SamplingConfig:
   cache_dtype: str | None = None
   decode_segments: int = 2
   ignore_eos: bool = False
+  merge_lora: bool = True
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -420,6 +423,8 @@ class Sampler:
                 num_samples: int, gen_len: int) -> SampleOutput:
     cfg, g, n = self.config, num_samples, gen_len
     model: Qwen2 = nnx.merge(graphdef, state)
+    if cfg.merge_lora:
+      merge_lora(model)  # in this trace only: the caller's state is untouched
     p, tp = ids_PxTp.shape
     b = p * g
     cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None

@@ -85,16 +85,24 @@ def completion_logprobs(model: Qwen2, rollout: Rollout, *, temperature: float,
                                       vocab_chunk=vocab_chunk)
 
 
+def reference_logprobs(graphdef, trainable: nnx.State, frozen: nnx.State,
+                       reference: nnx.State | None, rollout: Rollout, *,
+                       temperature: float) -> jax.Array:
+  """The reference pass: log-probs under pi_ref (LoRA: the policy with adapters off)."""
+  if reference is None:
+    model = nnx.merge(graphdef, frozen, trainable)
+    return completion_logprobs(model, rollout, temperature=temperature, adapters=False)[0]
+  ref_model = nnx.merge(graphdef, frozen, reference)
+  return completion_logprobs(ref_model, rollout, temperature=temperature)[0]
+
+
 def score(graphdef, trainable: nnx.State, frozen: nnx.State, reference: nnx.State | None,
           rollout: Rollout, *, temperature: float) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The scoring pass (old log-probs, entropies) and the reference pass, in one program."""
   model = nnx.merge(graphdef, frozen, trainable)
   logp_old, entropy = completion_logprobs(model, rollout, temperature=temperature)
-  if reference is None:
-    logp_ref, _ = completion_logprobs(model, rollout, temperature=temperature, adapters=False)
-  else:
-    ref_model = nnx.merge(graphdef, frozen, reference)
-    logp_ref, _ = completion_logprobs(ref_model, rollout, temperature=temperature)
+  logp_ref = reference_logprobs(graphdef, trainable, frozen, reference, rollout,
+                                temperature=temperature)
   return logp_old, entropy, logp_ref
 
 
@@ -198,7 +206,10 @@ def _constrained(fn, mesh: jax.sharding.Mesh):
 
 
 class StepFunctions:
-  """The jitted score and update programs of a run (compiled once per shape).
+  """The jitted score, reference-only and update programs of a run (compiled once per shape).
+
+  `reference` runs when the sampler's log-probs and entropies stand in for the
+  scoring pass (`train.reuse_sampler_logprobs`).
 
   Only the graph definition and configuration are closed over; every array
   (trainable, frozen, reference, batch) is an argument, and the update donates
@@ -211,11 +222,13 @@ class StepFunctions:
                loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
                shardings: StepShardings | None = None):
     score_fn = functools.partial(score, graphdef, temperature=temperature)
+    reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature)
     update_fn = functools.partial(update, graphdef, tx, loss_cfg=loss_cfg,
                                   temperature=temperature, on_policy=on_policy)
     self.shardings = shardings
     if shardings is None:
       self.score = jax.jit(score_fn)
+      self.reference = jax.jit(reference_fn)
       self.update = jax.jit(update_fn, donate_argnums=(0, 1))
       return
     s = shardings
@@ -223,6 +236,9 @@ class StepFunctions:
         _constrained(score_fn, s.mesh),
         in_shardings=(s.trainable, s.frozen, s.reference, s.rollout()),
         out_shardings=(s.rows, s.rows, s.rows))
+    self.reference_program = jax.jit(
+        _constrained(reference_fn, s.mesh),
+        in_shardings=(s.trainable, s.frozen, s.reference, s.rollout()), out_shardings=s.rows)
     self.update_program = jax.jit(
         _constrained(lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
                      s.mesh),
@@ -230,12 +246,18 @@ class StepFunctions:
         out_shardings=(s.trainable, s.opt_state, s.replicated),
         donate_argnums=(0, 1))
     self.score = self._score_sharded
+    self.reference = self._reference_sharded
     self.update = self._update_sharded
 
   def _score_sharded(self, trainable, frozen, reference, rollout):
     s = self.shardings
     return self.score_program(place(trainable, s.trainable), place(frozen, s.frozen),
                               place(reference, s.reference), place(rollout, s.rollout()))
+
+  def _reference_sharded(self, trainable, frozen, reference, rollout):
+    s = self.shardings
+    return self.reference_program(place(trainable, s.trainable), place(frozen, s.frozen),
+                                  place(reference, s.reference), place(rollout, s.rollout()))
 
   def _update_sharded(self, trainable, opt_state, frozen, batch, grad_fault=None):
     s = self.shardings

@@ -256,8 +256,8 @@ class Trainer:
     if t.reuse_sampler_logprobs:
       logp_old, entropy = (distributed.put(x, self.shardings.rows)
                            for x in (sample_logp_BxN, sample_entropy_BxN))
-      _, _, logp_ref = self.fns.score(state.trainable, self.policy.frozen, self.policy.reference,
-                                      rollout)
+      logp_ref = self.fns.reference(state.trainable, self.policy.frozen, self.policy.reference,
+                                    rollout)
     else:
       logp_old, entropy, logp_ref = self.fns.score(state.trainable, self.policy.frozen,
                                                    self.policy.reference, rollout)

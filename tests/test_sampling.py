@@ -3,6 +3,8 @@ against full (no-cache) forward passes of a tiny fp32 model."""
 
 import functools
 
+import chex
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from flax import nnx
 from scipy import stats
 
 from epgrpo_jax import sampling
-from epgrpo_jax.models import Qwen2, preset
+from epgrpo_jax.models import LORA, LoraConfig, Qwen2, lora_layers, preset
 from epgrpo_jax.sampling import Sampler, SamplingConfig, bucket, sample_step
 
 # ---------------------------------------------------------------------------
@@ -268,23 +270,50 @@ def nucleus_sampler():
                  eos_ids=(1,))
 
 
-def test_logp_and_entropy_equal_a_scoring_pass(model, nucleus_sampler):
-  out = nucleus_sampler.sample(model, PROMPTS, 4, jax.random.key(3))
+def assert_matches_scoring_pass(model, out: sampling.SampleOutput, temperature: float, top_p: float,
+                                atol: float = 1e-5):
+  """Sampled log-probs and entropies equal a full forward's; every token is in its top-p set."""
   ids, mask = sequences(out)
   tp = out.prompt_ids.shape[1]
-  logits = np.asarray(full_logits(model, ids, mask))[:, tp - 1:-1] / np.float32(0.7)
+  logits = np.asarray(full_logits(model, ids, mask))[:, tp - 1:-1] / np.float32(temperature)
   logp_full = np.asarray(jax.nn.log_softmax(jnp.asarray(logits)))
   logp = np.take_along_axis(logp_full, ids[:, tp:, None], -1)[..., 0]
   entropy = -np.sum(np.exp(logp_full) * logp_full, -1)
   m = mask[:, tp:]
   assert m.sum() > 40
-  np.testing.assert_allclose(np.asarray(out.logp).reshape(m.shape)[m], logp[m], atol=1e-5)
-  np.testing.assert_allclose(np.asarray(out.entropy).reshape(m.shape)[m], entropy[m], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.logp).reshape(m.shape)[m], logp[m], atol=atol)
+  np.testing.assert_allclose(np.asarray(out.entropy).reshape(m.shape)[m], entropy[m], atol=atol)
   assert (np.asarray(out.logp).reshape(m.shape)[~m] == 0).all()
-  # Every sampled token is in the top-p set of the scoring pass's distribution.
   for row, col in zip(*np.nonzero(m)):
-    keep, ambiguous = ref_top_p(softmax_np(logits[row, col][None])[0], 0.9)
+    keep, ambiguous = ref_top_p(softmax_np(logits[row, col][None])[0], top_p)
     assert ambiguous or keep[ids[row, tp + col]]
+
+
+def test_logp_and_entropy_equal_a_scoring_pass(model, nucleus_sampler):
+  assert_matches_scoring_pass(model, nucleus_sampler.sample(model, PROMPTS, 4, jax.random.key(3)),
+                              0.7, 0.9)
+
+
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_lora_policy_is_sampled_with_its_adapters(merge_lora, nucleus_sampler):
+  """With adapters folded into the kernels for the decode (the default) or applied at every
+  step, the sampled log-probs are the adapted policy's; the caller's model is untouched."""
+  lora_model = Qwen2(preset("test-tiny"), lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0))
+  lora_model.lm_head[...] = lora_model.lm_head[...] * 30.0
+  rng = np.random.default_rng(1)
+  for _, var in nnx.to_flat_state(nnx.state(lora_model, LORA)):
+    var.set_value(jnp.asarray(0.05 * rng.standard_normal(var.shape), jnp.float32))
+  before = jax.tree.map(np.asarray, nnx.state(lora_model))
+  sampler = Sampler(nucleus_sampler.config.replace(merge_lora=merge_lora), eos_ids=(1,))
+  out = sampler.sample(lora_model, PROMPTS, 4, jax.random.key(3))
+  assert_matches_scoring_pass(lora_model, out, 0.7, 0.9)
+  base = nnx.clone(lora_model)  # the same weights with the adapters zeroed
+  for layer in lora_layers(base):
+    layer.lora_b[...] = jnp.zeros_like(layer.lora_b[...])
+  with pytest.raises(AssertionError):  # so the adapters matter to this check
+    assert_matches_scoring_pass(base, out, 0.7, 0.9)
+  assert not any(layer.merged for layer in lora_layers(lora_model))
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, nnx.state(lora_model)), before)
 
 
 def test_same_key_same_output_and_no_recompilation(model, nucleus_sampler):

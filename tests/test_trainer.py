@@ -46,8 +46,10 @@ def fixed_rollout(trainer: Trainer, state, key):
   return rollout
 
 
-def test_smoke_run_writes_metrics_checkpoint_and_policy(task, tmp_path):
-  cfg = tiny_config(task, tmp_path / "run")
+@pytest.mark.parametrize("overrides", [(), ("train.reuse_sampler_logprobs=true",)],
+                         ids=["scoring-pass", "sampler-logprobs"])
+def test_smoke_run_writes_metrics_checkpoint_and_policy(task, tmp_path, overrides):
+  cfg = tiny_config(task, tmp_path / "run", *overrides)
   summary = train(cfg)
   assert summary["steps"] == 2
   assert 0.0 <= summary["heldout_before"]["accuracy"] <= 1.0
@@ -119,5 +121,8 @@ def test_reference_pass_uses_adapters_off(task, tmp_path):
                                             trainer.policy.reference, rollout)
     assert np.abs(np.asarray(new_old - new_ref)[mask]).max() > 1e-4  # adapters moved the policy
     assert np.array_equal(np.asarray(new_ref)[mask], np.asarray(logp_ref)[mask])  # ref is frozen
+    # The reference-only program (used when the sampler's log-probs stand in for scoring).
+    alone = trainer.fns.reference(trainable, trainer.policy.frozen, trainer.policy.reference, rollout)
+    np.testing.assert_allclose(np.asarray(alone)[mask], np.asarray(new_ref)[mask], atol=1e-6)
   finally:
     trainer.close()

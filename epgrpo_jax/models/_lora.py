@@ -7,6 +7,8 @@ second copy of the base weights.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,6 +16,36 @@ from flax import nnx
 # Filters over model state: adapters only, and the frozen base.
 LORA = nnx.LoRAParam
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+
+
+@jax.custom_vjp
+def low_rank(x_NxI: jax.Array, a_IxR: jax.Array, b_RxO: jax.Array) -> jax.Array:
+  """(x @ a) @ b over the last axis of x, with a backward pass that transposes only
+  rank-sized arrays (XLA:CPU otherwise transposes the [tokens, features] activations
+  and gradients to form the adapter gradients, the costliest part of the update)."""
+  return (x_NxI @ a_IxR) @ b_RxO
+
+
+def _low_rank_fwd(x, a, b):
+  xa = x @ a
+  return xa @ b, (x, a, b, xa)
+
+
+def _low_rank_bwd(res, dy):
+  x, a, b, xa = res
+  lead = x.shape[:-1]
+  x_NxI, xa_NxR = x.reshape(-1, x.shape[-1]), xa.reshape(-1, xa.shape[-1])
+  dy_NxO = dy.reshape(-1, dy.shape[-1])
+  dxa_NxR = dy_NxO @ b.T
+  # Contract over tokens with the rank-sized operand transposed (the barrier keeps XLA
+  # from folding the transpose back into the dot and transposing the large one).
+  db_RxO = jax.lax.optimization_barrier(xa_NxR.T) @ dy_NxO
+  da_IxR = (jax.lax.optimization_barrier(dxa_NxR.T) @ x_NxI).T
+  dx = (dxa_NxR @ a.T).reshape(*lead, x.shape[-1])
+  return dx.astype(x.dtype), da_IxR.astype(a.dtype), db_RxO.astype(b.dtype)
+
+
+low_rank.defvjp(_low_rank_fwd, _low_rank_bwd)
 
 
 class Linear(nnx.Module):
@@ -47,7 +79,7 @@ class Linear(nnx.Module):
       sign = -1.0 if self.merged else 1.0
       a = self.lora_a[...].astype(self.dtype)
       b = self.lora_b[...].astype(self.dtype)
-      y = y + (sign * self.lora_scale * ((x @ a) @ b)).astype(y.dtype)
+      y = y + (sign * self.lora_scale * low_rank(x, a, b)).astype(y.dtype)
     return y
 
   def delta(self) -> jax.Array:
@@ -60,6 +92,27 @@ class Linear(nnx.Module):
     if self.has_lora and not self.merged:
       w = w + self.delta()
     return w
+
+
+def fused(layers: "list[Linear]", x, adapters: bool) -> list[jax.Array]:
+  """`[layer(x, adapters) for layer in layers]` as one matmul over the concatenated kernels
+  when each layer's kernel alone is its output (no adapters, or adapters merged and wanted);
+  one larger matmul is faster than several small ones. Layers with unmerged adapters always
+  run one by one, with or without them,
+  so that the policy with zero adapters and the reference pass round identically: their
+  log-prob difference (the progress signal) is then exactly zero, not rounding noise that
+  the bucket z-scores would amplify."""
+  if len(layers) == 1 or any(layer.has_lora and not (layer.merged and adapters) for layer in layers):
+    return [layer(x, adapters) for layer in layers]
+  dtype = layers[0].dtype
+  kernel = jnp.concatenate([layer.kernel[...].astype(dtype) for layer in layers], axis=-1)
+  y = x.astype(dtype) @ kernel
+  if any(layer.bias is not None for layer in layers):
+    y = y + jnp.concatenate([
+        layer.bias[...].astype(dtype) if layer.bias is not None
+        else jnp.zeros(layer.kernel.shape[-1:], dtype) for layer in layers])
+  ends = list(itertools.accumulate(layer.kernel.shape[-1] for layer in layers))
+  return jnp.split(y, ends[:-1], axis=-1)
 
 
 def lora_layers(model: nnx.Module):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
-from epgrpo_jax.models._lora import Linear
+from epgrpo_jax.models._lora import Linear, fused
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _NEG = -1e30  # finite, so that a row with no valid key gives a uniform, not NaN, softmax
@@ -124,9 +124,10 @@ class Attention(nnx.Module):
     """Writes this block's keys/values at `write_index` (None: no cache) and attends."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
-    q = self.q(x_BxTxD, adapters).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = self.k(x_BxTxD, adapters).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = self.v(x_BxTxD, adapters).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     q = rope(q, positions_BxT, cfg.rope_theta)
     k = rope(k, positions_BxT, cfg.rope_theta)
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
@@ -157,7 +158,8 @@ class MLP(nnx.Module):
     self.down = _linear(cfg, lora, "down", f, d, False, rngs)
 
   def __call__(self, x_BxTxD, adapters: bool):
-    return self.down(jax.nn.silu(self.gate(x_BxTxD, adapters)) * self.up(x_BxTxD, adapters), adapters)
+    gate, up = fused([self.gate, self.up], x_BxTxD, adapters)
+    return self.down(jax.nn.silu(gate) * up, adapters)
 
 
 class Block(nnx.Module):
