@@ -44,14 +44,13 @@ def parse_args(argv=None):
 
 
 def update_memory(trainer, state, batch) -> int:
-  """Compiled bytes of the update program: arguments + outputs + temporaries - aliased."""
+  """Compiled bytes of the update program(s): arguments + outputs + temporaries - aliased."""
   import jax
 
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
   args = jax.tree.map(spec, (state.trainable, state.opt_state, trainer.policy.frozen, batch))
-  m = trainer.fns.update_program.lower(*args, None).compile().memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes)
+  return max(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes for m in trainer.fns.update_memory(*args))
 
 
 def device_peak() -> float | None:

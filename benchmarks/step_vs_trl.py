@@ -62,6 +62,8 @@ def parse_args(argv=None):
   ap.add_argument("--peak-tflops", type=float, default=0.0,
                   help="the device's peak dense TFLOP/s in --dtype (H200 bf16: 989); prints MFU")
   ap.add_argument("--remat", action="store_true", help="ours: model.remat=true")
+  ap.add_argument("--reuse-sampler-logprobs", action="store_true",
+                  help="ours: train.reuse_sampler_logprobs=true (no scoring pass; TRL has none on-policy)")
   ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
   return ap.parse_args(argv)
 
@@ -85,6 +87,8 @@ class Ours:
     extra += [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
     if args.remat:
       extra.append("model.remat=true")
+    if args.reuse_sampler_logprobs:
+      extra.append("train.reuse_sampler_logprobs=true")
     self.trainer = C.make_trainer(model_dir, train_file, out_dir, shape, *extra)
     self.state = self.trainer.initial_state()
     self.records: list[dict] = []

@@ -121,14 +121,12 @@ def make_optimizer(learning_rate: float, total_updates: int, *, warmup_ratio: fl
   return optax.chain(*parts), schedule
 
 
-def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
-           frozen: nnx.State, batch: UpdateBatch, *, loss_cfg: losses.LossConfig,
-           temperature: float, on_policy: bool, grad_fault: jax.Array | None = None):
-  """One optimizer update with the clipped-surrogate loss; skipped if loss or grads are not finite.
+def gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBatch, *,
+              loss_cfg: losses.LossConfig, temperature: float, on_policy: bool):
+  """(loss, aux metrics, gradients) of the clipped-surrogate loss w.r.t. `trainable`.
 
   `on_policy`: the first and only update on this rollout, so pi_old = pi_theta and
   the ratio is exactly 1 (`logp_old` is the stop-gradient of the new log-probs).
-  `grad_fault` (tests only) is added to the gradients.
   """
   rollout = batch.rollout
 
@@ -140,6 +138,16 @@ def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt
                               rollout.completion_mask, loss_cfg, entropy_BxT=entropy)
 
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+  return loss, aux, grads
+
+
+def apply_gradients(tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
+                    loss: jax.Array, aux: dict, grads: nnx.State,
+                    grad_fault: jax.Array | None = None):
+  """The optimizer step; skipped (states unchanged) if the loss or a gradient is not finite.
+
+  `grad_fault` (tests only) is added to the gradients.
+  """
   if grad_fault is not None:
     grads = jax.tree.map(lambda g: g + grad_fault.astype(g.dtype), grads)
   grad_norm = optax.tree.norm(grads)
@@ -151,6 +159,15 @@ def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt
   new_opt_state = keep(new_opt_state, opt_state)
   metrics = dict(aux, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
   return new_trainable, new_opt_state, metrics
+
+
+def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
+           frozen: nnx.State, batch: UpdateBatch, *, loss_cfg: losses.LossConfig,
+           temperature: float, on_policy: bool, grad_fault: jax.Array | None = None):
+  """One optimizer update with the clipped-surrogate loss: `gradients`, then `apply_gradients`."""
+  loss, aux, grads = gradients(graphdef, trainable, frozen, batch, loss_cfg=loss_cfg,
+                               temperature=temperature, on_policy=on_policy)
+  return apply_gradients(tx, trainable, opt_state, loss, aux, grads, grad_fault)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,54 +230,96 @@ class StepFunctions:
 
   Only the graph definition and configuration are closed over; every array
   (trainable, frozen, reference, batch) is an argument, and the update donates
-  the trainable and optimizer states. With `shardings`, both programs have
+  the trainable and optimizer states. With `shardings`, the programs have
   explicit in/out shardings (arguments are moved there first when they are
   elsewhere) and constrain the model's activations to the batch sharding.
+
+  With `remat`, the update runs as two programs, `gradients` then
+  `apply_gradients`. In one program, every new weight depends on the global
+  gradient norm (clipping, the non-finite skip), and XLA:CPU then kept each
+  layer's recomputed activations live at once, as if there were no remat: the
+  compiled temporaries grew with depth (`tests/test_model.py`). On CPU the
+  gradient program is also compiled with XLA's memory-optimised scheduler.
   """
 
   def __init__(self, graphdef, tx: optax.GradientTransformation, *,
                loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
-               shardings: StepShardings | None = None):
+               shardings: StepShardings | None = None, remat: bool = False):
+    cpu_memory = ({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+                  if remat and jax.default_backend() == "cpu" else None)
     score_fn = functools.partial(score, graphdef, temperature=temperature)
     reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature)
+    grads_fn = functools.partial(gradients, graphdef, loss_cfg=loss_cfg, temperature=temperature,
+                                 on_policy=on_policy)
+    apply_fn = functools.partial(apply_gradients, tx)
     update_fn = functools.partial(update, graphdef, tx, loss_cfg=loss_cfg,
                                   temperature=temperature, on_policy=on_policy)
     self.shardings = shardings
-    if shardings is None:
-      self.score = jax.jit(score_fn)
-      self.reference = jax.jit(reference_fn)
-      self.update = jax.jit(update_fn, donate_argnums=(0, 1))
-      return
+    self.split_update = remat
     s = shardings
-    self.score_program = jax.jit(
-        _constrained(score_fn, s.mesh),
-        in_shardings=(s.trainable, s.frozen, s.reference, s.rollout()),
-        out_shardings=(s.rows, s.rows, s.rows))
-    self.reference_program = jax.jit(
-        _constrained(reference_fn, s.mesh),
-        in_shardings=(s.trainable, s.frozen, s.reference, s.rollout()), out_shardings=s.rows)
-    self.update_program = jax.jit(
-        _constrained(lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
-                     s.mesh),
-        in_shardings=(s.trainable, s.opt_state, s.frozen, s.update_batch(), s.replicated),
-        out_shardings=(s.trainable, s.opt_state, s.replicated),
-        donate_argnums=(0, 1))
-    self.score = self._score_sharded
-    self.reference = self._reference_sharded
-    self.update = self._update_sharded
+    jit = functools.partial(_jit, mesh=s.mesh if s else None)
+    self.score_program = jit(score_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
+                             (s.rows, s.rows, s.rows) if s else None)
+    self.reference_program = jit(reference_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
+                                 s.rows if s else None)
+    if remat:
+      self.gradients_program = jit(
+          grads_fn, (s.trainable, s.frozen, s.update_batch()) if s else None,
+          (s.replicated, s.replicated, s.trainable) if s else None, compiler_options=cpu_memory)
+      self.apply_program = jit(
+          apply_fn, (s.trainable, s.opt_state, s.replicated, s.replicated, s.trainable,
+                     s.replicated) if s else None,
+          (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
+    else:
+      self.update_program = jit(
+          lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
+          (s.trainable, s.opt_state, s.frozen, s.update_batch(), s.replicated) if s else None,
+          (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
 
-  def _score_sharded(self, trainable, frozen, reference, rollout):
+  def _placed(self, **args):
+    """The arguments on their declared shardings (as given without a mesh)."""
     s = self.shardings
-    return self.score_program(place(trainable, s.trainable), place(frozen, s.frozen),
-                              place(reference, s.reference), place(rollout, s.rollout()))
+    if s is None:
+      return args
+    where = {"trainable": s.trainable, "opt_state": s.opt_state, "frozen": s.frozen,
+             "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch(),
+             "grad_fault": s.replicated}
+    return {k: place(v, where[k]) for k, v in args.items()}
 
-  def _reference_sharded(self, trainable, frozen, reference, rollout):
-    s = self.shardings
-    return self.reference_program(place(trainable, s.trainable), place(frozen, s.frozen),
-                                  place(reference, s.reference), place(rollout, s.rollout()))
+  def score(self, trainable, frozen, reference, rollout):
+    """(old log-probs, entropies, reference log-probs), each [B, N]."""
+    return self.score_program(*self._placed(trainable=trainable, frozen=frozen,
+                                            reference=reference, rollout=rollout).values())
 
-  def _update_sharded(self, trainable, opt_state, frozen, batch, grad_fault=None):
-    s = self.shardings
-    return self.update_program(place(trainable, s.trainable), place(opt_state, s.opt_state),
-                               place(frozen, s.frozen), place(batch, s.update_batch()),
-                               place(grad_fault, s.replicated))
+  def reference(self, trainable, frozen, reference, rollout):
+    """Reference log-probs [B, N]."""
+    return self.reference_program(*self._placed(trainable=trainable, frozen=frozen,
+                                                reference=reference, rollout=rollout).values())
+
+  def update(self, trainable, opt_state, frozen, batch, grad_fault=None):
+    """(new trainable, new optimizer state, metrics); donates the trainable and optimizer state."""
+    a = self._placed(trainable=trainable, opt_state=opt_state, frozen=frozen, batch=batch,
+                     grad_fault=grad_fault)
+    if not self.split_update:
+      return self.update_program(*a.values())
+    loss, aux, grads = self.gradients_program(a["trainable"], a["frozen"], a["batch"])
+    return self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads, a["grad_fault"])
+
+  def update_memory(self, trainable, opt_state, frozen, batch) -> list[Any]:
+    """XLA's `memory_analysis()` of each compiled program of the update, for these (possibly
+    abstract) arguments: one program, or the gradient and apply programs with remat."""
+    if not self.split_update:
+      return [self.update_program.lower(trainable, opt_state, frozen, batch, None)
+              .compile().memory_analysis()]
+    loss, aux, grads = jax.eval_shape(self.gradients_program, trainable, frozen, batch)
+    return [self.gradients_program.lower(trainable, frozen, batch).compile().memory_analysis(),
+            self.apply_program.lower(trainable, opt_state, loss, aux, grads, None)
+            .compile().memory_analysis()]
+
+
+def _jit(fn, in_shardings, out_shardings, *, mesh, **kw):
+  """`jax.jit`, with explicit shardings and activation constraints when there is a mesh."""
+  if mesh is None:
+    return jax.jit(fn, **kw)
+  return jax.jit(_constrained(fn, mesh), in_shardings=in_shardings, out_shardings=out_shardings,
+                 **kw)

@@ -178,7 +178,7 @@ class Trainer:
     self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
                              temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
-                             shardings=self.shardings)
+                             shardings=self.shardings, remat=cfg.model.remat)
     self.advantage_fn = AdvantageProgram(self.mesh)
 
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

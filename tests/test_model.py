@@ -610,3 +610,34 @@ def test_fused_projections_equal_separate_layers(base_dir):
   for adapters in (False, True):
     chex.assert_trees_all_close(fused([attn.q, attn.k, attn.v], x, adapters),
                                 [l(x, adapters) for l in (attn.q, attn.k, attn.v)], atol=1e-5)
+
+
+def _update_temp_bytes(num_layers: int, remat: bool) -> int:
+  """Compiled temporaries of the trainer's update program (abstract shapes, never run)."""
+  from epgrpo_jax import losses, steps
+  cfg = preset("test-tiny", remat=remat, num_layers=num_layers)
+  model = nnx.eval_shape(lambda: Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0)))
+  policy = steps.Policy.from_model(model, full_finetune=False)
+  tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
+  fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
+                            on_policy=True, remat=remat)
+  rows = lambda n, dt: jax.ShapeDtypeStruct((2, n), dt)
+  batch = steps.UpdateBatch(
+      rollout=steps.Rollout(rows(64, jnp.int32), rows(64, bool), rows(448, jnp.int32), rows(448, bool)),
+      logp_old=rows(448, jnp.float32), logp_ref=rows(448, jnp.float32),
+      advantage=rows(448, jnp.float32))
+  opt_state = jax.eval_shape(tx.init, policy.trainable)
+  return max(m.temp_size_in_bytes
+             for m in fns.update_memory(policy.trainable, opt_state, policy.frozen, batch))
+
+
+def test_remat_keeps_update_memory_flat_in_depth():
+  """With remat, one layer's activations are live at a time: 4x the layers, about the same
+  temporaries; without it they grow with depth (so this comparison can fail)."""
+  plain = {n: _update_temp_bytes(n, remat=False) for n in (3, 12)}
+  remat = {n: _update_temp_bytes(n, remat=True) for n in (3, 12)}
+  print(f"\nupdate temporaries (MiB) 3 -> 12 layers: plain {plain[3] / 2**20:.1f} -> "
+        f"{plain[12] / 2**20:.1f}, remat {remat[3] / 2**20:.1f} -> {remat[12] / 2**20:.1f}")
+  assert plain[12] > 2.5 * plain[3]
+  assert remat[12] < 1.5 * remat[3]
+  assert remat[12] < plain[12] / 3

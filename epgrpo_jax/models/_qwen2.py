@@ -45,8 +45,35 @@ def _constrain(x, kind: str = "hidden"):
   return x if fn is None else fn(x, kind)
 
 
-def _remat_block(layer: "Block", *args):
-  """`Block.__call__` under `jax.checkpoint` (activations recomputed in the backward pass).
+def recompute_in_backward(fn: Callable) -> Callable:
+  """`fn` whose backward pass recomputes its activations from its inputs (remat).
+
+  The recomputation waits for the incoming cotangent (one optimization barrier
+  over both), so it runs layer by layer during the backward pass. With
+  `jax.checkpoint` alone, nothing orders the recomputation after the cotangent,
+  and XLA:CPU scheduled every layer's recomputation up front: the compiled
+  temporaries then grew with depth almost as without remat. Cotangents of
+  inputs that are not differentiated (the frozen base) are dropped by XLA.
+  """
+
+  @jax.custom_vjp
+  def wrapped(*args):
+    return fn(*args)
+
+  def fwd(*args):
+    return fn(*args), args
+
+  def bwd(args, cotangent):
+    args, cotangent = jax.lax.optimization_barrier((args, cotangent))
+    _, vjp = jax.vjp(fn, *args)
+    return vjp(cotangent)
+
+  wrapped.defvjp(fwd, bwd)
+  return wrapped
+
+
+def _remat_block(layer: "Block", x, positions, allowed, adapters: bool):
+  """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
   The layer enters as a pure state, so this works when the model was merged from a
   state inside a transform (`jax.value_and_grad` of the update step), where
@@ -54,10 +81,10 @@ def _remat_block(layer: "Block", *args):
   """
   graphdef, state = nnx.split(layer)
 
-  def pure(state, x, positions, k, v, allowed, write_index, adapters):
-    return nnx.merge(graphdef, state).__call__(x, positions, k, v, allowed, write_index, adapters)
+  def pure(state, x, positions, allowed):
+    return nnx.merge(graphdef, state)(x, positions, None, None, allowed, None, adapters)[0]
 
-  return jax.checkpoint(pure, static_argnums=(7,))(state, *args)
+  return recompute_in_backward(pure)(state, x, positions, allowed)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
@@ -238,12 +265,14 @@ class Qwen2(nnx.Module):
       query_slot_T = write_index + jnp.arange(t)
       allowed = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid[:, None, :]
 
-    block_fn = _remat_block if cfg.remat else Block.__call__
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      ck = cache["k"][i] if cache is not None else None
-      cv = cache["v"][i] if cache is not None else None
-      x, k, v = block_fn(layer, x, positions_BxT, ck, cv, allowed, write_index, adapters)
+      if cache is None and cfg.remat:  # remat matters for the backward pass (no cache)
+        x, k, v = _remat_block(layer, x, positions_BxT, allowed, adapters), None, None
+      else:
+        ck = cache["k"][i] if cache is not None else None
+        cv = cache["v"][i] if cache is not None else None
+        x, k, v = layer(x, positions_BxT, ck, cv, allowed, write_index, adapters)
       x = _constrain(x)
       new_k.append(k)
       new_v.append(v)
