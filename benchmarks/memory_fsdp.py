@@ -19,7 +19,7 @@ scheduler (`steps.StepFunctions`); the CPU backend computes bf16 dots in float32
 temporaries overstate what a GPU needs.
 
   python benchmarks/memory_fsdp.py                         # 3B and 7B, data=8 vs fsdp=8
-  python benchmarks/memory_fsdp.py --presets qwen2.5-7b --meshes 1,8,1 --mini-batches 2
+  python benchmarks/memory_fsdp.py --presets qwen2.5-7b --meshes 1,8,1 --grad-accumulation 4
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def main():
                       help="data,fsdp,tensor sizes (8 devices in all)")
   parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
   parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
-  parser.add_argument("--mini-batches", type=int, default=1)
+  parser.add_argument("--mini-batches", type=int, default=1, help="train.mini_batches")
+  parser.add_argument("--grad-accumulation", type=int, default=1, help="train.grad_accumulation")
   parser.add_argument("--prompt-len", type=int, default=1024)
   parser.add_argument("--completion-len", type=int, default=2048)
   parser.add_argument("--lora-rank", type=int, default=32)
@@ -109,8 +110,8 @@ def main():
   parser.add_argument("--full-finetune", action="store_true")
   args = parser.parse_args()
 
-  rows = args.prompts * args.generations // args.mini_batches
-  print(f"update step: {rows} sequences x ({args.prompt_len} prompt + {args.completion_len} "
+  rows = args.prompts * args.generations // (args.mini_batches * args.grad_accumulation)
+  print(f"gradient program: {rows} sequences x ({args.prompt_len} prompt + {args.completion_len} "
         f"completion) tokens, {'full fine-tuning' if args.full_finetune else f'LoRA rank {args.lora_rank}'}, "
         f"{args.dtype}, remat {'off' if args.no_remat else 'on'}; {jax.device_count()} "
         f"{jax.devices()[0].platform} devices; GiB per device from memory_analysis()")

@@ -78,6 +78,7 @@ class TrainSection:
   num_generations: int = 8  # G responses per prompt
   num_iterations: int = 1  # passes over each generation batch
   mini_batches: int = 1  # optimizer updates per pass (the batch split in equal parts)
+  grad_accumulation: int = 1  # micro-batches summed into each update (memory; same update)
   seed: int = 42
   output_dir: str = "runs/default"
   reuse_sampler_logprobs: bool = False  # skip the scoring pass; use the sampler's log-probs
@@ -85,10 +86,14 @@ class TrainSection:
 
   def __post_init__(self):
     _positive("train", self, "steps", "prompts_per_step", "num_generations", "num_iterations",
-              "mini_batches", "max_consecutive_skips")
-    if (self.prompts_per_step * self.num_generations) % self.mini_batches:
+              "mini_batches", "grad_accumulation", "max_consecutive_skips")
+    rows = self.prompts_per_step * self.num_generations
+    if rows % self.mini_batches:
       raise ValueError(f"train.mini_batches: {self.mini_batches} does not divide the "
-                       f"{self.prompts_per_step * self.num_generations} sequences of a step")
+                       f"{rows} sequences of a step")
+    if (rows // self.mini_batches) % self.grad_accumulation:
+      raise ValueError(f"train.grad_accumulation: {self.grad_accumulation} does not divide the "
+                       f"{rows // self.mini_batches} sequences of an update")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,6 +170,48 @@ def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt
   return apply_gradients(tx, trainable, opt_state, loss, aux, grads, grad_fault)
 
 
+def split_rows(batch: UpdateBatch, parts: int) -> list[UpdateBatch]:
+  """`parts` equal consecutive row slices of the batch."""
+  if parts == 1:
+    return [batch]
+  size = batch.advantage.shape[0] // parts
+  return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(parts)]
+
+
+def combine_gradients(parts: list[tuple[jax.Array, dict, nnx.State]]):
+  """One update's (loss, aux, grads) from those of its micro-batches (gradient accumulation).
+
+  Each micro-batch's loss is its numerator over its own denominator
+  (`losses.policy_loss`), so weighting loss and gradients by the denominators
+  gives exactly the full batch's. Metrics: sums for the counts, min/max for
+  the extremes, the pooled std for `advantage/std`, token-weighted means
+  for the rest.
+  """
+  den = jnp.stack([aux["loss_denominator"] for _, aux, _ in parts])
+  share = den / jnp.maximum(jnp.sum(den), 1e-8)
+  loss = sum(w * l for w, (l, _, _) in zip(share, parts))
+  grads = jax.tree.map(lambda *g: sum(w * x for w, x in zip(share, g)), *(p[2] for p in parts))
+  auxes = [aux for _, aux, _ in parts]
+  tokens = jnp.stack([a["num_tokens"] for a in auxes])
+  weight = tokens / jnp.maximum(jnp.sum(tokens), 1e-8)
+  mean = lambda k: sum(w * a[k] for w, a in zip(weight, auxes))
+  aux = {}
+  for k in auxes[0]:
+    values = jnp.stack([a[k] for a in auxes])
+    if k in ("loss_numerator", "loss_denominator", "num_tokens"):
+      aux[k] = jnp.sum(values)
+    elif k.endswith("/min"):
+      aux[k] = jnp.min(values)
+    elif k.endswith("/max"):
+      aux[k] = jnp.max(values)
+    elif k == "advantage/std":
+      second = sum(w * (a[k] ** 2 + a["advantage/mean"] ** 2) for w, a in zip(weight, auxes))
+      aux[k] = jnp.sqrt(jnp.maximum(second - mean("advantage/mean") ** 2, 0.0))
+    else:
+      aux[k] = mean(k)
+  return loss, aux, grads
+
+
 @dataclasses.dataclass(frozen=True)
 class StepShardings:
   """Where the arguments and results of the step programs live on a mesh.
@@ -234,7 +276,11 @@ class StepFunctions:
   explicit in/out shardings (arguments are moved there first when they are
   elsewhere) and constrain the model's activations to the batch sharding.
 
-  With `remat`, the update runs as two programs, `gradients` then
+  `update(..., micro_batches=k)` accumulates: `gradients` on each of k row
+  slices, `combine_gradients`, then one `apply_gradients` (the same update as
+  one pass over the batch, with a k-th of the activation memory).
+
+  With `remat`, the update also runs as the two programs `gradients` then
   `apply_gradients`. In one program, every new weight depends on the global
   gradient norm (clipping, the non-finite skip), and XLA:CPU then kept each
   layer's recomputed activations live at once, as if there were no remat: the
@@ -262,19 +308,19 @@ class StepFunctions:
                              (s.rows, s.rows, s.rows) if s else None)
     self.reference_program = jit(reference_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
                                  s.rows if s else None)
-    if remat:
-      self.gradients_program = jit(
-          grads_fn, (s.trainable, s.frozen, s.update_batch()) if s else None,
-          (s.replicated, s.replicated, s.trainable) if s else None, compiler_options=cpu_memory)
-      self.apply_program = jit(
-          apply_fn, (s.trainable, s.opt_state, s.replicated, s.replicated, s.trainable,
-                     s.replicated) if s else None,
-          (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
-    else:
-      self.update_program = jit(
-          lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
-          (s.trainable, s.opt_state, s.frozen, s.update_batch(), s.replicated) if s else None,
-          (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
+    # jit compiles on first call: the split programs only when remat or accumulation uses them.
+    self.gradients_program = jit(
+        grads_fn, (s.trainable, s.frozen, s.update_batch()) if s else None,
+        (s.replicated, s.replicated, s.trainable) if s else None, compiler_options=cpu_memory)
+    self.combine_program = jax.jit(combine_gradients)
+    self.apply_program = jit(
+        apply_fn, (s.trainable, s.opt_state, s.replicated, s.replicated, s.trainable,
+                   s.replicated) if s else None,
+        (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
+    self.update_program = jit(
+        lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
+        (s.trainable, s.opt_state, s.frozen, s.update_batch(), s.replicated) if s else None,
+        (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
 
   def _placed(self, **args):
     """The arguments on their declared shardings (as given without a mesh)."""
@@ -296,14 +342,22 @@ class StepFunctions:
     return self.reference_program(*self._placed(trainable=trainable, frozen=frozen,
                                                 reference=reference, rollout=rollout).values())
 
-  def update(self, trainable, opt_state, frozen, batch, grad_fault=None):
-    """(new trainable, new optimizer state, metrics); donates the trainable and optimizer state."""
-    a = self._placed(trainable=trainable, opt_state=opt_state, frozen=frozen, batch=batch,
-                     grad_fault=grad_fault)
-    if not self.split_update:
-      return self.update_program(*a.values())
-    loss, aux, grads = self.gradients_program(a["trainable"], a["frozen"], a["batch"])
+  def update(self, trainable, opt_state, frozen, batch, grad_fault=None, micro_batches: int = 1):
+    """(new trainable, new optimizer state, metrics); donates the trainable and optimizer state.
+
+    `micro_batches` > 1 accumulates the gradients of that many row slices of `batch`."""
+    a = self._placed(trainable=trainable, opt_state=opt_state, frozen=frozen, grad_fault=grad_fault)
+    if micro_batches == 1 and not self.split_update:
+      return self.update_program(a["trainable"], a["opt_state"], a["frozen"],
+                                 self._placed(batch=batch)["batch"], a["grad_fault"])
+    parts = [self.gradients(a["trainable"], a["frozen"], mb) for mb in split_rows(batch, micro_batches)]
+    loss, aux, grads = parts[0] if micro_batches == 1 else self.combine_program(parts)
     return self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads, a["grad_fault"])
+
+  def gradients(self, trainable, frozen, batch):
+    """(loss, aux metrics, gradients) of the loss on `batch`, without an optimizer step."""
+    a = self._placed(trainable=trainable, frozen=frozen, batch=batch)
+    return self.gradients_program(a["trainable"], a["frozen"], a["batch"])
 
   def update_memory(self, trainable, opt_state, frozen, batch) -> list[Any]:
     """XLA's `memory_analysis()` of each compiled program of the update, for these (possibly

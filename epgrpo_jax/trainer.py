@@ -31,7 +31,7 @@ from epgrpo_jax.models import (from_pretrained, load_config, load_tokenizer, sav
 from epgrpo_jax.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, parse_gold
 from epgrpo_jax.sampling import Sampler, bucket
-from epgrpo_jax.steps import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch
+from epgrpo_jax.steps import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
 
 log = logging.getLogger("epgrpo_jax.trainer")
 
@@ -126,9 +126,10 @@ class Trainer:
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)  # raises if sizes mismatch
     rows = t.prompts_per_step * t.num_generations
     sharding.check_batch(self.mesh, rows, "train.prompts_per_step x train.num_generations")
-    if t.mini_batches > 1:
-      sharding.check_batch(self.mesh, rows // t.mini_batches,
-                           "train.prompts_per_step x train.num_generations / train.mini_batches")
+    if t.mini_batches * t.grad_accumulation > 1:
+      sharding.check_batch(self.mesh, rows // (t.mini_batches * t.grad_accumulation),
+                           "train.prompts_per_step x train.num_generations / "
+                           "(train.mini_batches x train.grad_accumulation)")
     check_writable(self.out_dir)
     if t.prompts_per_step % jax.process_count():
       raise ValueError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
@@ -280,8 +281,9 @@ class Trainer:
     trainable, opt_state = state.trainable, state.opt_state
     update_metrics = []
     for _ in range(t.num_iterations):
-      for mb in _split(batch, t.mini_batches):
-        trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb)
+      for mb in split_rows(batch, t.mini_batches):
+        trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb,
+                                                  micro_batches=t.grad_accumulation)
         update_metrics.append(m)
     update_metrics = distributed.to_host(update_metrics)
     update_time = time.perf_counter() - update_start
@@ -396,12 +398,6 @@ def _with_remat(model):
   return model
 
 
-def _split(batch: UpdateBatch, parts: int) -> list[UpdateBatch]:
-  if parts == 1:
-    return [batch]
-  b = batch.advantage.shape[0]
-  size = b // parts
-  return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(parts)]
 
 
 def advantage_step(rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT, *,

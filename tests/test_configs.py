@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,29 @@ def test_readme_python_examples_run():
   assert blocks
   for block in blocks:
     exec(compile(block, "README.md", "exec"), {})
+
+
+def _train_commands(text: str) -> list[list[str]]:
+  """The arguments of every `python -m epgrpo_jax.train ...` command in a ```bash block
+  (continuation lines joined)."""
+  text = "\n".join(re.findall(r"```bash\n(.*?)```", text, re.S)).replace("\\\n", " ")
+  return [shlex.split(m.split("#")[0]) for m in
+          re.findall(r"python -m epgrpo_jax\.train([^\n&;|]*)", text)]
+
+
+def test_documented_train_commands_resolve(tmp_path, monkeypatch, shared_data):
+  """Each training command of the README and docs/distributed.md names a config file and
+  keys that exist, with valid values (parsed, not run; a local tiny model stands in for
+  the checkpoint directories they name)."""
+  from epgrpo_jax.train import parse_args
+  monkeypatch.chdir(ROOT)
+  model_dir = tiny_hf_dir(tmp_path / "model")
+  commands = [c for name in ("README.md", "docs/distributed.md")
+              for c in _train_commands((ROOT / name).read_text())]
+  assert len(commands) >= 6
+  for argv in commands:
+    args = parse_args(argv)
+    overrides = [f"model.path={model_dir}" if o.startswith("model.path=") else o
+                 for o in args.overrides]
+    cfg = load_config(args.config, overrides)
+    assert isinstance(cfg, TrainConfig), argv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,8 +47,18 @@ def fixed_rollout(trainer: Trainer, state, key):
   return rollout
 
 
-@pytest.mark.parametrize("overrides", [(), ("train.reuse_sampler_logprobs=true",)],
-                         ids=["scoring-pass", "sampler-logprobs"])
+def scored_batch(trainer: Trainer, state, key, advantage_fn) -> steps.UpdateBatch:
+  """`fixed_rollout` with its scoring and reference passes and `advantage_fn(b, n)`."""
+  rollout = fixed_rollout(trainer, state, key)
+  logp_old, _, logp_ref = trainer.fns.score(state.trainable, trainer.policy.frozen,
+                                            trainer.policy.reference, rollout)
+  return steps.UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
+                           advantage=advantage_fn(*rollout.completion.shape))
+
+
+@pytest.mark.parametrize("overrides", [(), ("train.reuse_sampler_logprobs=true",),
+                                       ("train.grad_accumulation=2", "model.remat=true")],
+                         ids=["scoring-pass", "sampler-logprobs", "accumulation-remat"])
 def test_smoke_run_writes_metrics_checkpoint_and_policy(task, tmp_path, overrides):
   cfg = tiny_config(task, tmp_path / "run", *overrides)
   summary = train(cfg)
@@ -68,12 +79,8 @@ def test_loss_decreases_on_fixed_batch_and_first_ratio_is_one(task, tmp_path):
   trainer = Trainer(tiny_config(task, tmp_path / "run", "train.num_iterations=4"))
   try:
     state = trainer.initial_state()
-    rollout = fixed_rollout(trainer, state, jax.random.key(0))
-    logp_old, entropy, logp_ref = trainer.fns.score(state.trainable, trainer.policy.frozen,
-                                                    trainer.policy.reference, rollout)
-    b, n = rollout.completion.shape
-    adv = jnp.where(jnp.arange(b)[:, None] % 2 == 0, 1.0, -1.0) * jnp.ones((b, n))
-    batch = steps.UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref, advantage=adv)
+    batch = scored_batch(trainer, state, jax.random.key(0), lambda b, n: jnp.where(
+        jnp.arange(b)[:, None] % 2 == 0, 1.0, -1.0) * jnp.ones((b, n)))
     trainable, opt_state = state.trainable, state.opt_state
     losses, ratios = [], []
     for _ in range(6):
@@ -126,3 +133,32 @@ def test_reference_pass_uses_adapters_off(task, tmp_path):
     np.testing.assert_allclose(np.asarray(alone)[mask], np.asarray(new_ref)[mask], atol=1e-6)
   finally:
     trainer.close()
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_sum_max_len"])
+def test_gradient_accumulation_equals_one_pass(task, tmp_path, aggregation):
+  """Gradients of 2 micro-batches combined = the full batch's, for each loss aggregation."""
+  trainer = Trainer(tiny_config(task, tmp_path / "run", f"loss.aggregation={aggregation}"))
+  try:
+    state = trainer.initial_state()
+    batch = scored_batch(trainer, state, jax.random.key(4), lambda b, n: jnp.asarray(
+        np.random.default_rng(0).standard_normal((b, n)), jnp.float32))
+    # One update first, so that LoRA B != 0 and every adapter has a gradient.
+    trainable, _, _ = trainer.fns.update(jax.tree.map(jnp.copy, state.trainable),
+                                         jax.tree.map(jnp.copy, state.opt_state),
+                                         trainer.policy.frozen, batch)
+    fns = trainer.fns
+    full = fns.gradients(trainable, trainer.policy.frozen, batch)
+    parts = [fns.gradients(trainable, trainer.policy.frozen, mb) for mb in steps.split_rows(batch, 2)]
+    loss, aux, grads = fns.combine_program(parts)
+    assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(full[2]))
+    chex.assert_trees_all_close((loss, grads), (full[0], full[2]), rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(aux, full[1], rtol=1e-5, atol=1e-6)
+  finally:
+    trainer.close()
+
+
+def test_grad_accumulation_must_divide_the_update():
+  with pytest.raises(ValueError, match="train.grad_accumulation"):
+    TrainConfig().override("train.prompts_per_step=4", "train.num_generations=4",
+                           "train.mini_batches=2", "train.grad_accumulation=3")
