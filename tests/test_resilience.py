@@ -308,9 +308,9 @@ class FaultyTrainer(trainer_mod.Trainer):
     super().__init__(*args, **kwargs)
     update, calls = self.fns.update, itertools.count(1)
 
-    def faulty(*update_args):
+    def faulty(*update_args, **update_kwargs):
       fault = jnp.float32(np.nan if next(calls) in NAN_AT else 0.0)
-      return update(*update_args, grad_fault=fault)
+      return update(*update_args, grad_fault=fault, **update_kwargs)
 
     self.fns.update = faulty
 
