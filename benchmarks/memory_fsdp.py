@@ -66,8 +66,8 @@ def with_shardings(tree, shardings):
                       tree, shardings)
 
 
-def compile_update(policy: steps.Policy, mesh, *, rows: int, prompt_len: int,
-                   completion_len: int, remat: bool):
+def update_memory(policy: steps.Policy, mesh, *, rows: int, prompt_len: int,
+                  completion_len: int, remat: bool):
   """`memory_analysis()` of the update's compiled program(s) (`StepFunctions.update_memory`)
   for `rows` sequences on `mesh`: one program, or with remat the gradient and apply programs."""
   tx, _ = steps.make_optimizer(5e-6, 1000, warmup_ratio=0.1, weight_decay=1e-3,
@@ -126,8 +126,8 @@ def main():
       shape = tuple(int(x) for x in spec.split(","))
       mesh = sharding.make_mesh(sharding.MeshConfig(*shape))
       start = time.perf_counter()
-      analyses, s = compile_update(policy, mesh, rows=rows, prompt_len=args.prompt_len,
-                                   completion_len=args.completion_len, remat=not args.no_remat)
+      analyses, s = update_memory(policy, mesh, rows=rows, prompt_len=args.prompt_len,
+                                  completion_len=args.completion_len, remat=not args.no_remat)
       m = max(analyses, key=lambda m: m.argument_size_in_bytes + m.temp_size_in_bytes
               + m.output_size_in_bytes - m.alias_size_in_bytes)
       seconds = time.perf_counter() - start

@@ -7,7 +7,7 @@ sample 8 prompts x 8 completions of 32-token prompts, exactly 128 new tokens
 Warm-up (and compilation) excluded; the median of `--runs` timed runs.
 
   python benchmarks/sampler_vs_hf.py [--scaling] [--runs 3] [--skip-hf]
-      [--preset bench-tiny] [--dtype float32] [--peak-tflops 0]
+      [--preset bench-tiny] [--dtype float32] [--decode-segments N] [--peak-tflops 0]
 
 Other `--preset`s (e.g. qwen2.5-0.5b) get random weights; on an accelerator
 transformers runs on CUDA when torch sees it, and `--peak-tflops` (the device's
@@ -43,6 +43,8 @@ def parse_args():
   ap.add_argument("--skip-hf", action="store_true", help="time only ours")
   ap.add_argument("--preset", default="bench-tiny", help="model shape (epgrpo_jax.models.PRESETS)")
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  ap.add_argument("--decode-segments", type=int, default=None,
+                  help="sampling.decode_segments (default: the config default)")
   ap.add_argument("--peak-tflops", type=float, default=0.0, help="prints MFU when set")
   return ap.parse_args()
 
@@ -78,8 +80,11 @@ def main():
     hf = Qwen2ForCausalLM.from_pretrained(d, dtype=getattr(torch, args.dtype)).to(device).eval()
   graphdef, state = nnx.split(model)
 
-  sampler = Sampler(SamplingConfig(temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.new_tokens), eos_ids=())
+  sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.new_tokens)
+  if args.decode_segments:
+    sampling = sampling.replace(decode_segments=args.decode_segments)
+  sampler = Sampler(sampling, eos_ids=())
   rng = np.random.default_rng(0)
 
   def ours(num_prompts: int, g: int) -> float:
@@ -113,7 +118,8 @@ def main():
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; jax {jax.__version__} on "
         f"{jax.devices()[0].device_kind}, torch {torch.__version__} on {device} with "
         f"{args.torch_threads} threads"
-        f" (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+        f" (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); "
+        f"decode_segments={sampling.decode_segments}")
   n = args.prompts * args.samples
   mine = ours(args.prompts, args.samples)
   print(f"ours          {n:4d} sequences: {mine:9.0f} tokens/s")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from epgrpo_jax.rewards import extract_boxed
+from epgrpo_jax.rows import read_rows
 
 log = logging.getLogger("epgrpo_jax.benchmarks")
 
@@ -187,34 +187,6 @@ def get_field(row: Any, dotted: str) -> Any:
   return node
 
 
-def read_rows(path: str | Path, stats: LoadStats | None = None) -> list[Any]:
-  """Rows of a JSONL, JSON-array or Parquet file; bad JSONL lines are counted."""
-  path = Path(path)
-  stats = stats if stats is not None else LoadStats()
-  if path.suffix.lower() == ".parquet":
-    import pyarrow.parquet as pq
-    try:
-      return pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises several types
-      raise ValueError(f"{path}: unreadable Parquet file ({type(e).__name__}: {e})") from None
-  raw = path.read_bytes()
-  if path.suffix.lower() == ".json" or raw.lstrip().startswith(b"["):
-    return json_array_rows(path, raw)
-  rows = []
-  for lineno, line in enumerate(raw.split(b"\n"), 1):
-    if not line.strip():
-      continue
-    try:
-      rows.append(json.loads(line.decode("utf-8")))
-    except UnicodeDecodeError:
-      stats.skipped["not_utf8"] += 1
-      log.warning("%s:%d: skipped (not UTF-8)", path, lineno)
-    except json.JSONDecodeError:
-      stats.skipped["bad_json"] += 1
-      log.warning("%s:%d: skipped (invalid JSON)", path, lineno)
-  return rows
-
-
 # Bad JSON escapes turn "\frac" into FORM FEED + "rac" and "\binom" into
 # BACKSPACE + "inom"; neither control character is ever real problem text.
 _CONTROL_ESCAPES = {"\x0c": "\\f", "\x08": "\\b"}
@@ -322,11 +294,11 @@ def load_benchmark_with_stats(name: str, path: str | Path | None = None,
     file = Path(path)
     if not file.is_file():
       raise FileNotFoundError(f"benchmark {spec.name!r}: file not found: {file}")
-    rows, stats.source = read_rows(file, stats), str(file)
+    rows, stats.source = read_rows(file, stats.skipped), str(file)
   else:
     file, looked = _local_file(spec, data_dir)
     if file is not None:
-      rows, stats.source = read_rows(file, stats), str(file)
+      rows, stats.source = read_rows(file, stats.skipped), str(file)
     else:
       where = f"looked in: {', '.join(looked)}" if looked else f"no data dir and no ${DATA_DIR_ENV}"
       hint = (f"pass --benchmark-file {spec.name}=PATH (expected {spec.expected})")
@@ -363,19 +335,3 @@ def load_benchmarks(names: Sequence[str], files: Mapping[str, str] | None = None
     spec = get_spec(name)
     out[spec.name] = load_benchmark(spec.name, files.get(spec.name), data_dir, limit)
   return out
-
-
-def json_array_rows(path: Path, raw: bytes) -> list:
-  """The rows of a JSON file: a top-level array, or the one list of a {"data": [...]} object."""
-  try:
-    data = json.loads(raw.decode("utf-8"))
-  except UnicodeDecodeError:
-    raise ValueError(f"{path}: not UTF-8") from None
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-  if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}
-    lists = [v for v in data.values() if isinstance(v, list)]
-    data = lists[0] if len(lists) == 1 else None
-  if not isinstance(data, list):
-    raise ValueError(f"{path}: expected a JSON array of rows")
-  return data

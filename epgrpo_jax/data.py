@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any, Callable, Sequence
 import grain
 import numpy as np
 
-from epgrpo_jax.benchmarks import json_array_rows
+from epgrpo_jax.rows import read_rows
 
 log = logging.getLogger("epgrpo_jax.data")
 
@@ -90,39 +89,6 @@ def get_field(row: dict, dotted: str) -> Any:
     else:
       return None
   return node
-
-
-def read_rows(path: str | Path, skips: SkipCounts) -> list[dict]:
-  """Rows of a JSONL, JSON-array or Parquet file; unreadable JSONL lines are counted."""
-  path = Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"{path}: file not found")
-  suffix = path.suffix.lower()
-  if suffix == ".parquet":
-    import pyarrow.parquet as pq
-    try:
-      return pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises several types
-      raise ValueError(f"{path}: unreadable Parquet file ({e})") from None
-  raw = path.read_bytes()
-  if suffix == ".json":
-    return json_array_rows(path, raw)
-  rows = []
-  for lineno, line in enumerate(raw.split(b"\n"), 1):
-    if not line.strip():
-      continue
-    try:
-      text = line.decode("utf-8")
-    except UnicodeDecodeError:
-      skips["not_utf8"] += 1
-      log.warning("%s:%d: skipped (not UTF-8)", path, lineno)
-      continue
-    try:
-      rows.append(json.loads(text))
-    except json.JSONDecodeError:
-      skips["bad_json"] += 1
-      log.warning("%s:%d: skipped (invalid JSON)", path, lineno)
-  return rows
 
 
 def _text(value: Any) -> str | None:

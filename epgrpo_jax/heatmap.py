@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from epgrpo_jax import cli
+from epgrpo_jax.rows import jsonl_rows
 
 # key in samples.jsonl -> (data attribute, button label, scale kind, description)
 QUANTITIES: dict[str, tuple[str, str, str, str]] = {
@@ -74,16 +75,8 @@ def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
   if not path.is_file():
     raise FileNotFoundError(f"{path}: not found (the run dumps samples every "
                             "logging.samples_every steps)")
-  groups = []
-  for line in path.read_text().splitlines():
-    if not line.strip():
-      continue
-    try:
-      rec = json.loads(line)
-    except json.JSONDecodeError:
-      continue  # a truncated last line of a killed run
-    if "responses" in rec:
-      groups.append(rec)
+  # A truncated last line of a killed run is skipped with a warning.
+  groups = [rec for rec in jsonl_rows(path) if "responses" in rec]
   if not groups:
     raise ValueError(f"{path}: no group records (written by an older version of the trainer?)")
   return groups

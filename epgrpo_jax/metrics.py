@@ -20,6 +20,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from epgrpo_jax.rows import jsonl_rows
+
 log = logging.getLogger("epgrpo_jax")
 
 # Metric names shown in the progress bar (short label -> key).
@@ -217,17 +219,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
   """The records of RUN_DIR/metrics.jsonl, non-finite strings turned back into floats.
 
   Training steps and held-out evaluations are separate records (the latter
-  have `heldout/*` keys). A truncated last line (a killed run) is ignored.
+  have `heldout/*` keys). A truncated last line (a killed run) is skipped with a warning.
   """
-  path = Path(run_dir) / "metrics.jsonl"
   out = []
-  for line in path.read_text().splitlines():
-    if not line.strip():
-      continue
-    try:
-      rec = json.loads(line)
-    except json.JSONDecodeError:
-      continue
+  for rec in jsonl_rows(Path(run_dir) / "metrics.jsonl"):
     for k, v in rec.items():
       if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf"):
         rec[k] = float(v)

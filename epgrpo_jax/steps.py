@@ -303,6 +303,11 @@ class StepFunctions:
     self.shardings = shardings
     self.split_update = remat
     s = shardings
+    # Where each named argument lives (built once: `_placed` runs at every call).
+    self._where = None if s is None else {
+        "trainable": s.trainable, "opt_state": s.opt_state, "frozen": s.frozen,
+        "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch(),
+        "grad_fault": s.replicated}
     jit = functools.partial(_jit, mesh=s.mesh if s else None)
     self.score_program = jit(score_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
                              (s.rows, s.rows, s.rows) if s else None)
@@ -324,13 +329,9 @@ class StepFunctions:
 
   def _placed(self, **args):
     """The arguments on their declared shardings (as given without a mesh)."""
-    s = self.shardings
-    if s is None:
+    if self._where is None:
       return args
-    where = {"trainable": s.trainable, "opt_state": s.opt_state, "frozen": s.frozen,
-             "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch(),
-             "grad_fault": s.replicated}
-    return {k: place(v, where[k]) for k, v in args.items()}
+    return {k: place(v, self._where[k]) for k, v in args.items()}
 
   def score(self, trainable, frozen, reference, rollout):
     """(old log-probs, entropies, reference log-probs), each [B, N]."""

@@ -155,6 +155,18 @@ def test_tb_tag_maps_at_sign_and_odd_characters():
   assert tb_tag("completions/mean_length") == "completions/mean_length"
 
 
+def test_read_metrics_skips_a_truncated_last_line_with_a_warning(tmp_path, caplog):
+  w = MetricsWriter(tmp_path, tensorboard=False)
+  w.write(1, {"reward": 0.5})
+  w.write(2, {"reward": 0.75})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 3, "rew')  # a run killed mid-write
+  recs = read_metrics(tmp_path)
+  assert [r["step"] for r in recs] == [1, 2]
+  assert "metrics.jsonl:3: skipped (invalid JSON)" in caplog.text
+
+
 def test_metrics_writer_jsonl_and_tensorboard_round_trip(tmp_path):
   w = MetricsWriter(tmp_path, tensorboard=True)
   w.write(1, {"reward": 0.5, "kl": np.float32(0.01)})
