@@ -44,6 +44,13 @@ def median(xs: Sequence[float]) -> float:
   return statistics.median(xs) if xs else float("nan")
 
 
+def peak_bytes(m) -> int:
+  """A compiled program's footprint from its `memory_analysis()`: arguments + temporaries +
+  outputs - aliased (donated) bytes."""
+  return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
 class CompileCounter:
   """Counts XLA backend compilations (jax.monitoring) while installed."""
 

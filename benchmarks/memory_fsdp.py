@@ -40,6 +40,8 @@ from flax import nnx  # noqa: E402
 from epgrpo_jax import losses, sharding, steps  # noqa: E402
 from epgrpo_jax.models import LoraConfig, Qwen2, preset  # noqa: E402
 
+import _common as C  # noqa: E402
+
 GIB = 2 ** 30
 
 
@@ -128,13 +130,11 @@ def main():
       start = time.perf_counter()
       analyses, s = update_memory(policy, mesh, rows=rows, prompt_len=args.prompt_len,
                                   completion_len=args.completion_len, remat=not args.no_remat)
-      m = max(analyses, key=lambda m: m.argument_size_in_bytes + m.temp_size_in_bytes
-              + m.output_size_in_bytes - m.alias_size_in_bytes)
+      m = max(analyses, key=C.peak_bytes)
       seconds = time.perf_counter() - start
       weights = bytes_per_device(policy.frozen, s.frozen)
       arg, tmp, out = m.argument_size_in_bytes, m.temp_size_in_bytes, m.output_size_in_bytes
-      alias = m.alias_size_in_bytes
-      peak = arg + tmp + out - alias
+      alias, peak = m.alias_size_in_bytes, C.peak_bytes(m)
       shards = mesh.shape["data"] * mesh.shape["fsdp"]
       print(f"{name:<12} {str(shape):<13} {rows // shards:>7} {weights / GIB:>8.2f} "
             f"{arg / GIB:>8.2f} {tmp / GIB:>8.2f} {out / GIB:>8.2f} {alias / GIB:>8.2f} "

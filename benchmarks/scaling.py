@@ -49,8 +49,7 @@ def update_memory(trainer, state, batch) -> int:
 
   spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
   args = jax.tree.map(spec, (state.trainable, state.opt_state, trainer.policy.frozen, batch))
-  return max(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes for m in trainer.fns.update_memory(*args))
+  return max(C.peak_bytes(m) for m in trainer.fns.update_memory(*args))
 
 
 def device_peak() -> float | None:

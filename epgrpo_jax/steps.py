@@ -196,14 +196,14 @@ def combine_gradients(parts: list[tuple[jax.Array, dict, nnx.State]]):
   weight = tokens / jnp.maximum(jnp.sum(tokens), 1e-8)
   mean = lambda k: sum(w * a[k] for w, a in zip(weight, auxes))
   aux = {}
+  stacked = lambda k: jnp.stack([a[k] for a in auxes])
   for k in auxes[0]:
-    values = jnp.stack([a[k] for a in auxes])
     if k in ("loss_numerator", "loss_denominator", "num_tokens"):
-      aux[k] = jnp.sum(values)
+      aux[k] = jnp.sum(stacked(k))
     elif k.endswith("/min"):
-      aux[k] = jnp.min(values)
+      aux[k] = jnp.min(stacked(k))
     elif k.endswith("/max"):
-      aux[k] = jnp.max(values)
+      aux[k] = jnp.max(stacked(k))
     elif k == "advantage/std":
       second = sum(w * (a[k] ** 2 + a["advantage/mean"] ** 2) for w, a in zip(weight, auxes))
       aux[k] = jnp.sqrt(jnp.maximum(second - mean("advantage/mean") ** 2, 0.0))
