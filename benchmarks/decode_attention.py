@@ -1,12 +1,16 @@
-"""One layer's decode attention: our XLA formulation vs torch, same shapes, one run.
+"""One layer's decode attention: ours (XLA, and the C++ CPU kernel) vs torch, same shapes.
 
 The shape of the sampler benchmark's decode steps (bench-tiny: 64 rows, 2 KV
 heads x 2 query heads each, head dim 64, a 160-slot cache): scores
 `[2, 64] x [64, 160]` per row and KV head, softmax, then `[2, 160] x [160, 64]`.
-Ours is `epgrpo_jax.models._qwen2`'s code path on the cache layouts it keeps
-(keys [B, K, Hd, S], values [B, K, S, Hd]), timed inside a `fori_loop` of 100
-iterations so that dispatch does not count; torch runs `bmm`, softmax, `bmm`
-with 2 threads. Prints milliseconds per layer for each, and their ratio.
+Ours twice: the model's XLA attention (`models.attend`) and the sampler's C++
+decode kernel (`models._cpu_attention`), on the cache layouts the model keeps
+(keys [B, K, Hd, S], values [B, K, S, Hd]), each timed inside a `fori_loop` of
+100 iterations so that dispatch does not count; torch runs `bmm`, softmax,
+`bmm` with 2 threads. The three alternate; prints the median milliseconds per
+layer of each. The loop reads the same cache every iteration, so at this size
+it stays in the CPU's caches: the sampler's steps, which read every layer's
+cache once, see less bandwidth.
 
   python benchmarks/decode_attention.py [--rows 64] [--slots 160] [--runs 7]
 """
@@ -40,17 +44,19 @@ def main():
   values = rng.standard_normal((b, k, s, hd), np.float32)
   allowed = np.ones((b, 1, s), bool)
 
-  def attend(q, keys, values):  # as in _qwen2.Attention with a cache
-    scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys, preferred_element_type=jnp.float32)
-    scores = jnp.where(allowed[:, None, None], scores / jnp.sqrt(hd).astype(jnp.float32), -1e30)
-    return jnp.einsum("bkgts,bksh->bkgth", jax.nn.softmax(scores, axis=-1), values)
+  from epgrpo_jax.models import _cpu_attention, attend
+
+  def xla(q, keys, values):  # the model's attention with a cache
+    return attend(q, keys, values, allowed)
+
+  def kernel(q, keys, values):  # the sampler's decode attention on one CPU device
+    return _cpu_attention.decode_attention(q[:, :, :, 0], keys, values, allowed[:, 0], s)[:, :, :, None]
 
   iters = 100
 
-  @jax.jit
-  def loop(q, keys, values):
-    return jax.lax.fori_loop(0, iters, lambda i, acc: acc + attend(q + 1e-9 * acc, keys, values),
-                             jnp.zeros_like(q))
+  def looped(fn):
+    return jax.jit(lambda q, keys, values: jax.lax.fori_loop(
+        0, iters, lambda i, acc: acc + fn(q + 1e-9 * acc, keys, values), jnp.zeros_like(q)))
 
   qj, kj, vj = jnp.asarray(q), jnp.asarray(keys), jnp.asarray(values)
   torch.set_num_threads(2)
@@ -65,25 +71,27 @@ def main():
     return out
 
   ref = theirs().numpy().reshape(b, k, g, 1, hd)
-  mine = np.asarray(jax.jit(attend)(qj, kj, vj))
-  assert np.allclose(mine, ref, atol=1e-4), "the two formulations disagree"
+  assert _cpu_attention.available(), "the C++ kernel could not be built (see the warning)"
+  for fn in (xla, kernel):
+    assert np.allclose(np.asarray(jax.jit(fn)(qj, kj, vj)), ref, atol=1e-4), "formulations disagree"
 
-  def per_layer_ms(fn) -> float:
+  xla_loop, kernel_loop = looped(xla), looped(kernel)
+  fns = [lambda: xla_loop(qj, kj, vj).block_until_ready(),
+         lambda: kernel_loop(qj, kj, vj).block_until_ready(), theirs]
+  times = [[] for _ in fns]
+  for fn in fns:
     fn()
-    times = []
-    for _ in range(args.runs):
+  for _ in range(args.runs):
+    for fn, ts in zip(fns, times):
       start = time.perf_counter()
       fn()
-      times.append(time.perf_counter() - start)
-    return statistics.median(times) / iters * 1e3
-
-  ours_ms = per_layer_ms(lambda: loop(qj, kj, vj).block_until_ready())
-  theirs_ms = per_layer_ms(theirs)
+      ts.append(time.perf_counter() - start)
+  xla_ms, kernel_ms, theirs_ms = (statistics.median(ts) / iters * 1e3 for ts in times)
   print(f"decode attention, {b} rows x {k} KV heads x {g} queries, head dim {hd}, {s} slots; "
         f"jax {jax.__version__}, torch {torch.__version__} with 2 threads")
-  print(f"ours (XLA)    {ours_ms:.3f} ms per layer")
-  print(f"torch (bmm)   {theirs_ms:.3f} ms per layer")
-  print(f"ratio ours / torch time: {ours_ms / theirs_ms:.2f}x")
+  print(f"ours, XLA         {xla_ms:.3f} ms per layer  ({xla_ms / theirs_ms:.2f}x torch's time)")
+  print(f"ours, C++ kernel  {kernel_ms:.3f} ms per layer  ({kernel_ms / theirs_ms:.2f}x torch's time)")
+  print(f"torch (bmm)       {theirs_ms:.3f} ms per layer")
 
 
 if __name__ == "__main__":

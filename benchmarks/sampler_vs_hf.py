@@ -4,7 +4,8 @@ The bench-tiny random Qwen2 (vocab 1024, hidden 256, 4 layers, tied) is saved
 with `save_pretrained` and loaded by `Qwen2ForCausalLM.from_pretrained`. Both
 sample 8 prompts x 8 completions of 32-token prompts, exactly 128 new tokens
 (no stop ids), temperature 1.0, top-p 0.95 on CPU; torch uses 2 threads.
-Warm-up (and compilation) excluded; the median of `--runs` timed runs.
+Warm-up (and compilation) excluded; the median of `--runs` timed runs, the
+two systems' runs alternating so that both see the same machine load.
 
   python benchmarks/sampler_vs_hf.py [--scaling] [--runs 3] [--skip-hf]
       [--preset bench-tiny] [--dtype float32] [--decode-segments N] [--peak-tflops 0]
@@ -49,14 +50,17 @@ def parse_args():
   return ap.parse_args()
 
 
-def timed(fn, runs: int) -> float:
-  fn()  # warm-up: compilation, allocator, caches
-  times = []
+def timed(fns, runs: int) -> list[float]:
+  """Median seconds of each function over `runs` rounds, the functions alternating in each round."""
+  for fn in fns:
+    fn()  # warm-up: compilation, allocator, caches
+  times = [[] for _ in fns]
   for _ in range(runs):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+    for fn, ts in zip(fns, times):
+      start = time.perf_counter()
+      fn()
+      ts.append(time.perf_counter() - start)
+  return [statistics.median(ts) for ts in times]
 
 
 def main():
@@ -87,7 +91,7 @@ def main():
   sampler = Sampler(sampling, eos_ids=())
   rng = np.random.default_rng(0)
 
-  def ours(num_prompts: int, g: int) -> float:
+  def ours(num_prompts: int, g: int):
     prompts = rng.integers(2, cfg.vocab_size, (num_prompts, args.prompt_len)).tolist()
     keys = iter(jax.random.split(jax.random.key(0), args.runs + 1))
 
@@ -95,9 +99,9 @@ def main():
       out = sampler.sample((graphdef, state), prompts, g, next(keys))
       out.tokens.block_until_ready()
       assert out.tokens.shape == (num_prompts, g, args.new_tokens) and bool(out.mask.all())
-    return num_prompts * g * args.new_tokens / timed(run, args.runs)
+    return run
 
-  def theirs(num_prompts: int, g: int) -> float:
+  def theirs(num_prompts: int, g: int):
     ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, (num_prompts, args.prompt_len))).to(device)
     torch.manual_seed(0)
 
@@ -110,7 +114,12 @@ def main():
       assert out.shape == (num_prompts * g, args.prompt_len + args.new_tokens)
       if device == "cuda":
         torch.cuda.synchronize()
-    return num_prompts * g * args.new_tokens / timed(run, args.runs)
+    return run
+
+  def rates(num_prompts: int, g: int) -> list[float]:
+    """Tokens/s of ours (and of transformers unless --skip-hf), timed alternating."""
+    fns = [ours(num_prompts, g)] + ([] if args.skip_hf else [theirs(num_prompts, g)])
+    return [num_prompts * g * args.new_tokens / t for t in timed(fns, args.runs)]
 
   load = os.getloadavg()
   print(f"{args.preset} Qwen2 ({args.dtype}), {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
@@ -121,23 +130,22 @@ def main():
         f" (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}); "
         f"decode_segments={sampling.decode_segments}")
   n = args.prompts * args.samples
-  mine = ours(args.prompts, args.samples)
+  mine, *ref = rates(args.prompts, args.samples)
   print(f"ours          {n:4d} sequences: {mine:9.0f} tokens/s")
   if args.peak_tflops:
     per_token = C.forward_flops(cfg, 1, args.prompt_len + args.new_tokens / 2)
     print(f"ours: sampling MFU {mine * per_token / (args.peak_tflops * 1e12):.2%} "
           f"(peak {args.peak_tflops:g} TFLOP/s, {per_token / 1e9:.2f} GFLOP per token)")
-  if not args.skip_hf:
-    ref = theirs(args.prompts, args.samples)
-    print(f"transformers  {n:4d} sequences: {ref:9.0f} tokens/s")
-    print(f"ratio ours / transformers: {mine / ref:.2f}x")
+  if ref:
+    print(f"transformers  {n:4d} sequences: {ref[0]:9.0f} tokens/s")
+    print(f"ratio ours / transformers: {mine / ref[0]:.2f}x")
   if args.scaling:
     print("scaling (8 samples per prompt):")
     for total in (16, 32, 64, 128, 256):
-      p = total // args.samples
-      line = f"  {total:4d} sequences: ours {ours(p, args.samples):9.0f} tokens/s"
-      if not args.skip_hf:
-        line += f", transformers {theirs(p, args.samples):9.0f} tokens/s"
+      mine, *ref = rates(total // args.samples, args.samples)
+      line = f"  {total:4d} sequences: ours {mine:9.0f} tokens/s"
+      if ref:
+        line += f", transformers {ref[0]:9.0f} tokens/s ({mine / ref[0]:.2f}x)"
       print(line, flush=True)
   print(f"sampler compilations: {sampler.num_compilations}; load average at end "
         f"{os.getloadavg()[0]:.2f}")

@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.models import Qwen2, as_dtype, init_cache, merge_lora
+from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, merge_lora
+from epgrpo_jax.models import _cpu_attention
 
 logger = logging.getLogger("epgrpo_jax.sampling")
 
@@ -53,7 +54,10 @@ class SamplingConfig:
   compile). `ignore_eos` never stops at a stop token: every completion gets
   exactly `max_new_tokens` (benchmarks). `merge_lora` folds LoRA adapters into
   the kernels once per call instead of applying them at every decode step
-  (the same policy up to rounding in the compute dtype).
+  (the same policy up to rounding in the compute dtype). `cpu_attention_kernel`
+  runs the decode steps' attention in a C++ kernel on a single CPU device with
+  a float32 cache (built on first use; XLA's attention where it cannot be
+  built, and on accelerators or a mesh).
   """
 
   temperature: float = 1.0
@@ -67,6 +71,7 @@ class SamplingConfig:
   decode_segments: int = 2
   ignore_eos: bool = False
   merge_lora: bool = True
+  cpu_attention_kernel: bool = True
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -404,12 +409,24 @@ class Sampler:
     if program is None:
       start = time.perf_counter()
       fn = jax.jit(functools.partial(self._generate, graphdef, num_samples=g, gen_len=n))
-      program = fn.lower(*args).compile()
+      with decode_kernel(self._decode_kernel(g, tp)):  # read while tracing
+        program = fn.lower(*args).compile()
       self._programs[signature] = program
       self.num_compilations += 1
       logger.info("compiled sampler program %d: prompts=%d prompt_len=%d gen_len=%d samples=%d "
                   "(%.1fs)", self.num_compilations, p, tp, n, g, time.perf_counter() - start)
     return program
+
+  def _decode_kernel(self, g: int, tp: int):
+    """The C++ decode attention where it applies (one CPU device), else None (XLA's).
+
+    Each prompt's G rows hold identical copies of its Tp prompt slots, which the kernel
+    then reads once per prompt.
+    """
+    if (not self.config.cpu_attention_kernel or self.mesh is not None
+        or jax.default_backend() != "cpu" or not _cpu_attention.available()):
+      return None
+    return functools.partial(_cpu_attention.decode_attention, share_rows=g, shared_slots=tp)
 
   # -- the compiled program -------------------------------------------------
 

@@ -359,3 +359,82 @@ def test_sharded_sampling_matches_single_device(model, greedy_sampler, caplog):
   want = greedy_sampler.sample(model, PROMPTS, 2, jax.random.key(0), eos_ids=(-5,))
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# The C++ decode-attention kernel (CPU).
+
+
+class TestCpuDecodeAttention(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_matches_xla_attention(self):
+    from epgrpo_jax.models import _cpu_attention, attend
+    assert _cpu_attention.available()  # the test machines have a C++ compiler
+    b, k, g, hd, s = 3, 2, 3, 40, 45  # blocks of 32 and 8 slots / head-dim columns, and tails
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, k, hd, s)), jnp.float32)
+    values = jnp.asarray(rng.standard_normal((b, k, s, hd)), jnp.float32)
+    allowed = jnp.asarray(rng.random((b, s)) < 0.7).at[2].set(False)  # row 2: no allowed slot
+    kernel = self.variant(_cpu_attention.decode_attention)
+    for limit in (1, 7, 40, s):
+      got = kernel(q, keys, values, allowed, limit)
+      visible = allowed & (jnp.arange(s) < limit)[None]
+      want = attend(q[:, :, :, None], keys, values, visible[:, None])[:, :, :, 0]
+      chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    # Row 2 has no allowed slot: uniform weights over all slots, as the finite mask gives.
+    chex.assert_trees_all_close(got[2], jnp.broadcast_to(values[2].mean(1)[:, None], (k, g, hd)),
+                                atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_reads_shared_slots_from_each_groups_first_row(self):
+    from epgrpo_jax.models import _cpu_attention, attend
+    b, k, g, hd, s, shared = 6, 2, 2, 64, 50, 33  # 2 groups of 3 rows
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((b, k, hd, s)), jnp.float32)
+    values = jnp.asarray(rng.standard_normal((b, k, s, hd)), jnp.float32)
+    allowed = jnp.asarray(rng.random((b, s)) < 0.8)
+    # What the kernel must see: every row's first `shared` slots replaced by its group leader's.
+    leader = np.repeat(np.arange(0, b, 3), 3)
+    seen_keys = keys.at[:, :, :, :shared].set(keys[leader][:, :, :, :shared])
+    seen_values = values.at[:, :, :shared].set(values[leader][:, :, :shared])
+    kernel = self.variant(functools.partial(_cpu_attention.decode_attention, share_rows=3,
+                                            shared_slots=shared))
+    for limit in (20, s):
+      visible = (allowed & (jnp.arange(s) < limit)[None])[:, None]
+      want = attend(q[:, :, :, None], seen_keys, seen_values, visible)[:, :, :, 0]
+      chex.assert_trees_all_close(kernel(q, keys, values, allowed, limit), want, atol=1e-5)
+      assert not np.allclose(want, attend(q[:, :, :, None], keys, values, visible)[:, :, :, 0])
+
+
+def test_sampler_decodes_with_the_cpu_kernel_like_xla(model):
+  config = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, **BUCKETS)
+  with_kernel, with_xla = Sampler(config), Sampler(config.replace(cpu_attention_kernel=False))
+  got = with_kernel.sample(model, PROMPTS, 4, jax.random.key(3))
+  want = with_xla.sample(model, PROMPTS, 4, jax.random.key(3))
+  hlo = [next(iter(s._programs.values())).as_text() for s in (with_kernel, with_xla)]
+  assert "epgrpo_decode_attention" in hlo[0] and "epgrpo_decode_attention" not in hlo[1]
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.entropy), np.asarray(want.entropy), atol=1e-5)
+
+
+def test_cpu_kernel_without_a_compiler_falls_back_to_xla(model, tmp_path, monkeypatch, caplog):
+  from epgrpo_jax.models import _cpu_attention
+  with pytest.raises(RuntimeError, match="compiler '/no/such/c\\+\\+' not found"):
+    _cpu_attention.build("/no/such/c++", tmp_path)
+  with pytest.raises(RuntimeError, match="false failed on _cpu_attention.cc"):
+    _cpu_attention.build("false", tmp_path)  # a "compiler" that exits 1
+  assert not list(tmp_path.iterdir())  # no partial library left behind
+  monkeypatch.setenv("CXX", "/no/such/c++")
+  monkeypatch.setenv("EPGRPO_KERNEL_DIR", str(tmp_path))
+  with caplog.at_level("WARNING", logger="epgrpo_jax.models"):
+    assert not _cpu_attention.available.__wrapped__()
+  assert "kernel unavailable, using XLA's attention" in caplog.text
+  monkeypatch.setattr(_cpu_attention, "available", lambda: False)
+  sampler = Sampler(SamplingConfig(greedy=True, max_new_tokens=8, **BUCKETS))
+  out = sampler.sample(model, PROMPTS, 1, jax.random.key(0))
+  assert "epgrpo_decode_attention" not in next(iter(sampler._programs.values())).as_text()
+  assert np.asarray(out.mask).all()

@@ -40,6 +40,22 @@ def activation_constraint(fn: Callable[[jax.Array, str], jax.Array] | None):
     _ACTIVATION_CONSTRAINT.reset(token)
 
 
+_DECODE_KERNEL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "decode_kernel", default=None)
+
+
+@contextlib.contextmanager
+def decode_kernel(fn: Callable | None):
+  """While tracing inside, one-token decode steps over a float32 cache attend with
+  `fn(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit)` (slots < limit
+  are read) instead of `attend`; e.g. `_cpu_attention.decode_attention`."""
+  token = _DECODE_KERNEL.set(fn)
+  try:
+    yield
+  finally:
+    _DECODE_KERNEL.reset(token)
+
+
 def _constrain(x, kind: str = "hidden"):
   fn = _ACTIVATION_CONSTRAINT.get()
   return x if fn is None else fn(x, kind)
@@ -102,6 +118,19 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
       "valid": jnp.zeros((batch, slots), bool),
       "index": jnp.zeros((), jnp.int32),
   }
+
+
+def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
+  """softmax(q . keys / sqrt(Hd)) . values over the allowed slots; G query heads share a KV head.
+
+  A query with no allowed slot gets uniform weights (the mask is finite), not NaN.
+  """
+  q = q_BxKxGxTxHd
+  scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys_BxKxHdxS.astype(q.dtype),
+                      preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+  scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype))
 
 
 def rope(x_BxTxNxHd, positions_BxT, theta: float):
@@ -167,11 +196,12 @@ class Attention(nnx.Module):
                                             (0, 0, write_index, 0))
     groups = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys.astype(q.dtype),
-                        preferred_element_type=jnp.float32) / jnp.sqrt(cfg.head_dim).astype(jnp.float32)
-    scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    out = jnp.einsum("bkgts,bksh->bkgth", probs, values.astype(q.dtype))
+    kernel = _DECODE_KERNEL.get()
+    if (kernel is not None and t == 1 and write_index is not None
+        and q.dtype == keys.dtype == values.dtype == jnp.float32):
+      out = kernel(q[:, :, :, 0], keys, values, allowed_BxTxS[:, 0], write_index + 1)[:, :, :, None]
+    else:
+      out = attend(q, keys, values, allowed_BxTxS)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o(out, adapters), keys, values
 

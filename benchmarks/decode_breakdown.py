@@ -1,0 +1,161 @@
+"""Where the sampler's decode step goes, and how fast it could be on this machine.
+
+Runs, in one process and alternating, the sampler of `sampler_vs_hf.py` (same
+bench-tiny model, 8 prompts x 8 samples, 32-token prompts, 128 new tokens,
+T 1.0, top-p 0.95) in variants that each drop one part of the step:
+
+  full           the sampler as shipped (decode attention in the C++ CPU kernel)
+  xla attention  decode attention in XLA (sampling.cpu_attention_kernel=false)
+  no attention   both attention einsums replaced by a same-shape stand-in that
+                 reads only the queries (a row sum broadcast), so the cache is
+                 written but never read
+  greedy         argmax instead of temperature + top-p + the draw
+
+then transformers `generate` on the full task. Each variant's tokens/s is
+printed with its ratio to transformers. A last line bounds the attention from
+below: the bytes of cache the decode must read per step (keys and values of
+every slot written so far, all layers, a prompt's slots once for its G rows),
+divided by the read bandwidth of a jitted sum over 512 MiB. The stand-ins are for measurement only; their
+tokens are not a model's.
+
+  python benchmarks/decode_breakdown.py [--runs 5] [--decode-segments 2] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from unittest import mock
+
+import numpy as np
+
+ROWS, PROMPTS, PROMPT_LEN, NEW = 64, 8, 32, 128
+
+
+def attention_stand_in(einsum):
+  """`jnp.einsum` with the two decode-attention products replaced by cheap same-shape ones."""
+
+  import jax.numpy as jnp
+
+  def patched(spec, a, b, **kw):
+    if spec in ("bkgth,bkhs->bkgts", "bkgts,bksh->bkgth"):
+      shape, dtype = a.shape[:-1] + (b.shape[-1],), kw.get("preferred_element_type") or a.dtype
+      return jnp.broadcast_to(jnp.sum(a, -1, keepdims=True), shape).astype(dtype)
+    return einsum(spec, a, b, **kw)
+  return patched
+
+
+def read_bandwidth() -> float:
+  """Bytes per second of a jitted float32 sum over 512 MiB (best of 5)."""
+  import jax
+  import jax.numpy as jnp
+  x = jnp.ones((128, 1 << 20), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  best = min(_seconds(lambda: total(x).block_until_ready()) for _ in range(5))
+  return x.nbytes / best
+
+
+def _seconds(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--runs", type=int, default=5)
+  ap.add_argument("--decode-segments", type=int, default=2)
+  ap.add_argument("--torch-threads", type=int, default=2)
+  ap.add_argument("--skip-hf", action="store_true")
+  args = ap.parse_args()
+  import jax
+  import jax.numpy as jnp
+  import torch
+  from flax import nnx
+  from transformers import Qwen2ForCausalLM
+
+  from epgrpo_jax.models import from_pretrained, load_config
+  from epgrpo_jax.sampling import Sampler, SamplingConfig
+
+  import _common as C
+
+  torch.set_num_threads(args.torch_threads)
+  with tempfile.TemporaryDirectory() as d:
+    C.build_model_dir(d, "bench-tiny", dtype="float32")
+    cfg = load_config(d)
+    model = from_pretrained(d, dtype="float32", param_dtype="float32")
+    hf = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(0)
+  base = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=NEW, ignore_eos=True,
+                        decode_segments=args.decode_segments)
+
+  def variant(sampling, stand_in=False):
+    prompts = rng.integers(2, cfg.vocab_size, (PROMPTS, PROMPT_LEN)).tolist()
+    if stand_in:  # the XLA path, whose einsums the stand-in replaces
+      sampling = sampling.replace(cpu_attention_kernel=False)
+    sampler = Sampler(sampling)
+    patch = mock.patch.object(jnp, "einsum", attention_stand_in(jnp.einsum)) if stand_in else None
+
+    def run(seed):
+      out = sampler.sample((graphdef, state), prompts, ROWS // PROMPTS, jax.random.key(seed))
+      out.tokens.block_until_ready()
+    if patch:  # the stand-in is traced into the one compiled program
+      with patch:
+        run(0)
+    else:
+      run(0)
+    return run
+
+  variants = {
+      "full": variant(base),
+      "xla attention": variant(base.replace(cpu_attention_kernel=False)),
+      "no attention": variant(base, stand_in=True),
+      "greedy": variant(base.replace(greedy=True)),
+  }
+  times = {name: [] for name in variants}
+  for i in range(args.runs):
+    for name, run in variants.items():
+      times[name].append(_seconds(lambda: run(i + 1)))
+  tokens = ROWS * NEW
+  rates = {name: tokens / statistics.median(ts) for name, ts in times.items()}
+
+  ref = None
+  if not args.skip_hf:
+    ids = torch.from_numpy(rng.integers(2, cfg.vocab_size, (PROMPTS, PROMPT_LEN)))
+    torch.manual_seed(0)
+
+    def theirs():
+      with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                    top_p=0.95, top_k=0, max_new_tokens=NEW, min_new_tokens=NEW,
+                    num_return_sequences=ROWS // PROMPTS, pad_token_id=0)
+    theirs()
+    ref = tokens / statistics.median(_seconds(theirs) for _ in range(3))
+
+  print(C.machine_line())
+  print(f"bench-tiny, {ROWS} sequences, {PROMPT_LEN}-token prompts, {NEW} new tokens, T 1.0, "
+        f"top-p 0.95, decode_segments={args.decode_segments}; median of {args.runs} alternating runs")
+  for name, rate in rates.items():
+    ratio = f"   {rate / ref:.2f}x transformers" if ref else ""
+    print(f"  {name:14s} {rate:8.0f} tokens/s  {tokens / rate / NEW * 1e3:6.2f} ms/step{ratio}")
+  if ref:
+    print(f"  {'transformers':14s} {ref:8.0f} tokens/s  {tokens / ref / NEW * 1e3:6.2f} ms/step")
+
+  # The kernel reads the slots up to the current one: at decode step i, each row's own
+  # i + 1 and its prompt's Tp, the latter once per prompt (its G rows hold copies).
+  per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # k and v, float32
+  mean_bytes = per_slot * statistics.fmean(ROWS * (i + 1) + PROMPTS * PROMPT_LEN for i in range(1, NEW))
+  bandwidth = read_bandwidth()
+  floor = tokens / (tokens / rates["no attention"] + NEW * mean_bytes / bandwidth)
+  print(f"cache read per step {mean_bytes / 2**20:.1f} MiB (written slots, mean over steps); read "
+        f"bandwidth {bandwidth / 1e9:.1f} GB/s -> attention >= {mean_bytes / bandwidth * 1e3:.2f} "
+        f"ms/step; 'no attention' plus that: {floor:.0f} tokens/s"
+        + (f" = {floor / ref:.2f}x transformers" if ref else ""))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,105 @@
+"""Decode attention as a C++ XLA FFI kernel for the CPU, built on first use.
+
+XLA:CPU runs the decode step's attention (a few hundred `[G, Hd] x [Hd, S]`
+products per layer) far below memory bandwidth, and reads every cache slot
+including the ones not yet written. `_cpu_attention.cc` reads only the
+slots up to the current one and shares the (row, KV head) pairs over XLA's
+intra-op threads. It is compiled with the system's C++ compiler (`$CXX`, else
+`c++`) into `$EPGRPO_KERNEL_DIR` (default `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version and
+the CPU; without a compiler, `available()` is False (one warning) and callers
+keep the XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger("epgrpo_jax.models")
+
+TARGET = "epgrpo_decode_attention"
+SOURCE = Path(__file__).with_name("_cpu_attention.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
+
+
+def _cpu_signature() -> str:
+  """The CPU's feature flags (a library built with -march=native runs only where they match)."""
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith(("flags", "Features")):
+        return line
+  except OSError:
+    pass
+  return platform.machine()
+
+
+def cache_dir() -> Path:
+  return Path(os.environ.get("EPGRPO_KERNEL_DIR") or Path.home() / ".cache" / "epgrpo_jax" / "kernels")
+
+
+def build(compiler: str | None = None, directory: Path | None = None) -> Path:
+  """Compiles the kernel (if not already built) and returns the shared library's path.
+
+  Raises RuntimeError with the compiler's last line of output if it fails.
+  """
+  compiler = compiler or os.environ.get("CXX") or "c++"
+  directory = directory or cache_dir()
+  key = hashlib.sha256("\n".join([
+      SOURCE.read_text(), compiler, " ".join(FLAGS), jax.__version__, _cpu_signature()]).encode())
+  target = directory / f"cpu_attention-{key.hexdigest()[:16]}.so"
+  if target.exists():
+    return target
+  if shutil.which(compiler) is None:
+    raise RuntimeError(f"C++ compiler {compiler!r} not found (set CXX)")
+  directory.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then an atomic rename
+    partial = Path(tmp) / target.name
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+      last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+      raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {last}")
+    os.replace(partial, target)
+  logger.info("built the CPU decode-attention kernel: %s", target)
+  return target
+
+
+@functools.cache
+def available() -> bool:
+  """Builds and registers the kernel once per process; False (with a warning) if it cannot."""
+  try:
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.EpgrpoDecodeAttention),
+                                platform="cpu")
+  except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+    logger.warning("CPU decode-attention kernel unavailable, using XLA's attention: %s", e)
+    return False
+  return True
+
+
+def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit, *,
+                     share_rows: int = 1, shared_slots: int = 0):
+  """softmax(q . keys / sqrt(Hd)) . values over the slots < `limit` that `allowed_BxS` marks.
+
+  Rows come in groups of `share_rows` consecutive rows whose keys and values in slots
+  `[0, shared_slots)` are identical (a prompt's cache copied to its G samples); the kernel
+  reads those slots from each group's first row only. float32; call `available()` first.
+  """
+  out = jax.ShapeDtypeStruct(q_BxKxGxHd.shape, jnp.float32)
+  return jax.ffi.ffi_call(TARGET, out)(
+      q_BxKxGxHd.astype(jnp.float32), keys_BxKxHdxS.astype(jnp.float32),
+      values_BxKxSxHd.astype(jnp.float32), allowed_BxS.astype(bool),
+      jnp.asarray(limit, jnp.int32), share_rows=np.int64(share_rows),
+      shared_slots=np.int64(shared_slots))
