@@ -57,7 +57,7 @@ class SamplingConfig:
   (the same policy up to rounding in the compute dtype). `cpu_attention_kernel`
   runs the decode steps' attention in a C++ kernel on a single CPU device with
   a float32 cache (built on first use; XLA's attention where it cannot be
-  built, and on accelerators or a mesh).
+  built, on accelerators, and over a mesh of several devices).
   """
 
   temperature: float = 1.0
@@ -423,7 +423,8 @@ class Sampler:
     Each prompt's G rows hold identical copies of its Tp prompt slots, which the kernel
     then reads once per prompt.
     """
-    if (not self.config.cpu_attention_kernel or self.mesh is not None
+    one_device = self.mesh is None or self.mesh.size == 1
+    if (not self.config.cpu_attention_kernel or not one_device
         or jax.default_backend() != "cpu" or not _cpu_attention.available()):
       return None
     return functools.partial(_cpu_attention.decode_attention, share_rows=g, shared_slots=tp)
