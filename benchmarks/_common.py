@@ -264,6 +264,21 @@ def time_call(fn: Callable[[], object]) -> float:
   return time.perf_counter() - start
 
 
+def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, *,
+                        reverse_odd_rounds: bool = False) -> dict[str, float]:
+  """Median seconds of each call over `rounds` rounds in which every call runs once, after one
+  warm-up call each (compilation, caches), so that all of them see the same machine load.
+  `reverse_odd_rounds` runs odd rounds in reverse order (ABBA)."""
+  for fn in calls.values():
+    fn()
+  times: dict[str, list[float]] = {name: [] for name in calls}
+  for i in range(rounds):
+    names = list(calls)[::-1] if reverse_odd_rounds and i % 2 else list(calls)
+    for name in names:
+      times[name].append(time_call(calls[name]))
+  return {name: median(v) for name, v in times.items()}
+
+
 # -- FLOPs ----------------------------------------------------------------------------------
 
 

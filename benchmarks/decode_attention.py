@@ -18,8 +18,6 @@ cache once, see less bandwidth.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
@@ -45,6 +43,8 @@ def main():
   allowed = np.ones((b, 1, s), bool)
 
   from epgrpo_jax.models import _cpu_attention, attend
+
+  import _common as C
 
   def xla(q, keys, values):  # the model's attention with a cache
     return attend(q, keys, values, allowed)
@@ -76,17 +76,10 @@ def main():
     assert np.allclose(np.asarray(jax.jit(fn)(qj, kj, vj)), ref, atol=1e-4), "formulations disagree"
 
   xla_loop, kernel_loop = looped(xla), looped(kernel)
-  fns = [lambda: xla_loop(qj, kj, vj).block_until_ready(),
-         lambda: kernel_loop(qj, kj, vj).block_until_ready(), theirs]
-  times = [[] for _ in fns]
-  for fn in fns:
-    fn()
-  for _ in range(args.runs):
-    for fn, ts in zip(fns, times):
-      start = time.perf_counter()
-      fn()
-      ts.append(time.perf_counter() - start)
-  xla_ms, kernel_ms, theirs_ms = (statistics.median(ts) / iters * 1e3 for ts in times)
+  seconds = C.alternating_medians({"xla": lambda: xla_loop(qj, kj, vj).block_until_ready(),
+                                   "kernel": lambda: kernel_loop(qj, kj, vj).block_until_ready(),
+                                   "torch": theirs}, args.runs)
+  xla_ms, kernel_ms, theirs_ms = (t / iters * 1e3 for t in seconds.values())
   print(f"decode attention, {b} rows x {k} KV heads x {g} queries, head dim {hd}, {s} slots; "
         f"jax {jax.__version__}, torch {torch.__version__} with 2 threads")
   print(f"ours, XLA         {xla_ms:.3f} ms per layer  ({xla_ms / theirs_ms:.2f}x torch's time)")

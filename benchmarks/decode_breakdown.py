@@ -15,8 +15,8 @@ then transformers `generate` on the full task. Each variant's tokens/s is
 printed with its ratio to transformers. A last line bounds the attention from
 below: the bytes of cache the decode must read per step (keys and values of
 every slot written so far, all layers, a prompt's slots once for its G rows),
-divided by the read bandwidth of a jitted sum over 512 MiB. The stand-ins are for measurement only; their
-tokens are not a model's.
+divided by the read bandwidth of a jitted sum over 512 MiB. The stand-ins are
+for measurement only; their tokens are not a model's.
 
   python benchmarks/decode_breakdown.py [--runs 5] [--decode-segments 2] [--skip-hf]
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from unittest import mock
 
 import numpy as np
@@ -51,17 +50,12 @@ def read_bandwidth() -> float:
   """Bytes per second of a jitted float32 sum over 512 MiB (best of 5)."""
   import jax
   import jax.numpy as jnp
+  from _common import time_call
   x = jnp.ones((128, 1 << 20), jnp.float32)
   total = jax.jit(jnp.sum)
   total(x).block_until_ready()
-  best = min(_seconds(lambda: total(x).block_until_ready()) for _ in range(5))
+  best = min(time_call(lambda: total(x).block_until_ready()) for _ in range(5))
   return x.nbytes / best
-
-
-def _seconds(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
 
 
 def main():
@@ -100,14 +94,16 @@ def main():
     sampler = Sampler(sampling)
     patch = mock.patch.object(jnp, "einsum", attention_stand_in(jnp.einsum)) if stand_in else None
 
-    def run(seed):
-      out = sampler.sample((graphdef, state), prompts, ROWS // PROMPTS, jax.random.key(seed))
+    keys = iter(jax.random.split(jax.random.key(0), args.runs + 2))
+
+    def run():
+      out = sampler.sample((graphdef, state), prompts, ROWS // PROMPTS, next(keys))
       out.tokens.block_until_ready()
     if patch:  # the stand-in is traced into the one compiled program
       with patch:
-        run(0)
+        run()
     else:
-      run(0)
+      run()
     return run
 
   variants = {
@@ -116,12 +112,8 @@ def main():
       "no attention": variant(base, stand_in=True),
       "greedy": variant(base.replace(greedy=True)),
   }
-  times = {name: [] for name in variants}
-  for i in range(args.runs):
-    for name, run in variants.items():
-      times[name].append(_seconds(lambda: run(i + 1)))
   tokens = ROWS * NEW
-  rates = {name: tokens / statistics.median(ts) for name, ts in times.items()}
+  rates = {name: tokens / t for name, t in C.alternating_medians(variants, args.runs).items()}
 
   ref = None
   if not args.skip_hf:
@@ -133,8 +125,7 @@ def main():
         hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                     top_p=0.95, top_k=0, max_new_tokens=NEW, min_new_tokens=NEW,
                     num_return_sequences=ROWS // PROMPTS, pad_token_id=0)
-    theirs()
-    ref = tokens / statistics.median(_seconds(theirs) for _ in range(3))
+    ref = tokens / C.alternating_medians({"transformers": theirs}, 3)["transformers"]
 
   print(C.machine_line())
   print(f"bench-tiny, {ROWS} sequences, {PROMPT_LEN}-token prompts, {NEW} new tokens, T 1.0, "

@@ -69,13 +69,7 @@ def time_advantage(trainers: dict, reps: int) -> dict[str, float]:
   calls = {name: (lambda tr=tr: jax.block_until_ready(tr.advantage_fn(
       rewards, entropy, logp_old, logp_ref, mask, cfg=tr.cfg.advantage)))
       for name, tr in trainers.items()}
-  times: dict[str, list[float]] = {name: [] for name in calls}
-  for fn in calls.values():
-    fn()  # compile
-  for i in range(reps):
-    for name in (list(calls) if i % 2 == 0 else list(calls)[::-1]):
-      times[name].append(C.time_call(calls[name]))
-  return {name: C.median(v) for name, v in times.items()}
+  return C.alternating_medians(calls, reps, reverse_odd_rounds=True)
 
 
 def main(argv=None):

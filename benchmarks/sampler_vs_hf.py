@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import numpy as np
 
@@ -48,19 +46,6 @@ def parse_args():
                   help="sampling.decode_segments (default: the config default)")
   ap.add_argument("--peak-tflops", type=float, default=0.0, help="prints MFU when set")
   return ap.parse_args()
-
-
-def timed(fns, runs: int) -> list[float]:
-  """Median seconds of each function over `runs` rounds, the functions alternating in each round."""
-  for fn in fns:
-    fn()  # warm-up: compilation, allocator, caches
-  times = [[] for _ in fns]
-  for _ in range(runs):
-    for fn, ts in zip(fns, times):
-      start = time.perf_counter()
-      fn()
-      ts.append(time.perf_counter() - start)
-  return [statistics.median(ts) for ts in times]
 
 
 def main():
@@ -118,8 +103,11 @@ def main():
 
   def rates(num_prompts: int, g: int) -> list[float]:
     """Tokens/s of ours (and of transformers unless --skip-hf), timed alternating."""
-    fns = [ours(num_prompts, g)] + ([] if args.skip_hf else [theirs(num_prompts, g)])
-    return [num_prompts * g * args.new_tokens / t for t in timed(fns, args.runs)]
+    calls = {"ours": ours(num_prompts, g)}
+    if not args.skip_hf:
+      calls["transformers"] = theirs(num_prompts, g)
+    return [num_prompts * g * args.new_tokens / t
+            for t in C.alternating_medians(calls, args.runs).values()]
 
   load = os.getloadavg()
   print(f"{args.preset} Qwen2 ({args.dtype}), {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "

@@ -1,13 +1,14 @@
 """Decode attention as a C++ XLA FFI kernel for the CPU, built on first use.
 
 XLA:CPU runs the decode step's attention (a few hundred `[G, Hd] x [Hd, S]`
-products per layer) far below memory bandwidth, and reads every cache slot
-including the ones not yet written. `_cpu_attention.cc` reads only the
-slots up to the current one and shares the (row, KV head) pairs over XLA's
-intra-op threads. It is compiled with the system's C++ compiler (`$CXX`, else
-`c++`) into `$EPGRPO_KERNEL_DIR` (default `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version and
-the CPU; without a compiler, `available()` is False (one warning) and callers
-keep the XLA path.
+products per layer) well below memory bandwidth, and reads every cache slot,
+including the ones not yet written. `_cpu_attention.cc` reads only the slots
+up to the current one, a prompt's slots once for its G rows, and shares the
+rows over XLA's intra-op threads. It is compiled with the system's C++
+compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
+`~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
+and the CPU; without a compiler, `available()` is False (one warning) and
+callers keep the XLA path.
 """
 
 from __future__ import annotations
