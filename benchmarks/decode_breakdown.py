@@ -4,9 +4,13 @@ Runs, in one process and alternating, the sampler of `sampler_vs_hf.py` (same
 bench-tiny model, 8 prompts x 8 samples, 32-token prompts, 128 new tokens,
 T 1.0, top-p 0.95) in variants that each drop one part of the step:
 
-  full           the sampler as shipped (decode attention in the C++ CPU kernel)
-  xla attention  decode attention in XLA (sampling.cpu_attention_kernel=false)
-  no attention   both attention einsums replaced by a same-shape stand-in that
+  full           the sampler as shipped (C++ decode attention and top-p threshold,
+                 rotary cos/sin looked up in a table made once per call)
+  xla attention  decode attention in XLA, the threshold still in C++
+  xla threshold  the top-p threshold in XLA, the attention still in C++
+  no C++         both in XLA (sampling.cpu_kernels=false)
+  rope per step  rotary cos/sin computed in every layer at every step (no table)
+  no attention   the attention kernel replaced by a stand-in of the same shape that
                  reads only the queries (a row sum broadcast), so the cache is
                  written but never read
   greedy         argmax instead of temperature + top-p + the draw
@@ -24,6 +28,7 @@ for measurement only; their tokens are not a model's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 from unittest import mock
@@ -33,17 +38,10 @@ import numpy as np
 ROWS, PROMPTS, PROMPT_LEN, NEW = 64, 8, 32, 128
 
 
-def attention_stand_in(einsum):
-  """`jnp.einsum` with the two decode-attention products replaced by cheap same-shape ones."""
-
+def attention_stand_in(q_BxKxGxHd, *args, **kwargs):
+  """In place of `_cpu_kernels.decode_attention`: same shape, reads only the queries."""
   import jax.numpy as jnp
-
-  def patched(spec, a, b, **kw):
-    if spec in ("bkgth,bkhs->bkgts", "bkgts,bksh->bkgth"):
-      shape, dtype = a.shape[:-1] + (b.shape[-1],), kw.get("preferred_element_type") or a.dtype
-      return jnp.broadcast_to(jnp.sum(a, -1, keepdims=True), shape).astype(dtype)
-    return einsum(spec, a, b, **kw)
-  return patched
+  return jnp.broadcast_to(jnp.sum(q_BxKxGxHd, -1, keepdims=True), q_BxKxGxHd.shape)
 
 
 def read_bandwidth() -> float:
@@ -66,12 +64,12 @@ def main():
   ap.add_argument("--skip-hf", action="store_true")
   args = ap.parse_args()
   import jax
-  import jax.numpy as jnp
   import torch
   from flax import nnx
   from transformers import Qwen2ForCausalLM
 
-  from epgrpo_jax.models import from_pretrained, load_config
+  from epgrpo_jax import sampling as sampling_module
+  from epgrpo_jax.models import _cpu_kernels, decode_kernel, from_pretrained, load_config
   from epgrpo_jax.sampling import Sampler, SamplingConfig
 
   import _common as C
@@ -87,29 +85,32 @@ def main():
   base = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=NEW, ignore_eos=True,
                         decode_segments=args.decode_segments)
 
-  def variant(sampling, stand_in=False):
+  def variant(sampling, *patches):
+    """A timed call of the sampler whose program is compiled with `patches` applied."""
     prompts = rng.integers(2, cfg.vocab_size, (PROMPTS, PROMPT_LEN)).tolist()
-    if stand_in:  # the XLA path, whose einsums the stand-in replaces
-      sampling = sampling.replace(cpu_attention_kernel=False)
     sampler = Sampler(sampling)
-    patch = mock.patch.object(jnp, "einsum", attention_stand_in(jnp.einsum)) if stand_in else None
-
     keys = iter(jax.random.split(jax.random.key(0), args.runs + 2))
 
     def run():
       out = sampler.sample((graphdef, state), prompts, ROWS // PROMPTS, next(keys))
       out.tokens.block_until_ready()
-    if patch:  # the stand-in is traced into the one compiled program
-      with patch:
-        run()
-    else:
+    with contextlib.ExitStack() as stack:  # the patches are traced into the one program
+      for patch in patches:
+        stack.enter_context(patch)
       run()
     return run
 
   variants = {
       "full": variant(base),
-      "xla attention": variant(base.replace(cpu_attention_kernel=False)),
-      "no attention": variant(base, stand_in=True),
+      "xla attention": variant(base, mock.patch.object(sampling_module, "decode_kernel",
+                                                       lambda fn: decode_kernel(None))),
+      "xla threshold": variant(base, mock.patch.object(_cpu_kernels, "largest_threshold",
+                                                       sampling_module.largest_threshold)),
+      "no C++": variant(base.replace(cpu_kernels=False)),
+      "rope per step": variant(base, mock.patch.object(sampling_module, "rope_table",
+                                                       lambda cfg, length: None)),
+      "no attention": variant(base, mock.patch.object(_cpu_kernels, "decode_attention",
+                                                      attention_stand_in)),
       "greedy": variant(base.replace(greedy=True)),
   }
   tokens = ROWS * NEW

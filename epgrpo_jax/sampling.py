@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,8 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, merge_lora
-from epgrpo_jax.models import _cpu_attention
+from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, merge_lora, rope_table
+from epgrpo_jax.models import _cpu_kernels
 
 logger = logging.getLogger("epgrpo_jax.sampling")
 
@@ -54,10 +54,10 @@ class SamplingConfig:
   compile). `ignore_eos` never stops at a stop token: every completion gets
   exactly `max_new_tokens` (benchmarks). `merge_lora` folds LoRA adapters into
   the kernels once per call instead of applying them at every decode step
-  (the same policy up to rounding in the compute dtype). `cpu_attention_kernel`
-  runs the decode steps' attention in a C++ kernel on a single CPU device with
-  a float32 cache (built on first use; XLA's attention where it cannot be
-  built, on accelerators, and over a mesh of several devices).
+  (the same policy up to rounding in the compute dtype). `cpu_kernels` runs
+  the decode steps' attention (float32 cache) and the top-k / top-p thresholds
+  in C++ kernels on a single CPU device (built on first use; XLA where they
+  cannot be built, on accelerators, and over a mesh of several devices).
   """
 
   temperature: float = 1.0
@@ -71,7 +71,7 @@ class SamplingConfig:
   decode_segments: int = 2
   ignore_eos: bool = False
   merge_lora: bool = True
-  cpu_attention_kernel: bool = True
+  cpu_kernels: bool = True
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -160,21 +160,28 @@ def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: j
     return (jnp.where(ok_B, _to_key(first_above_B), lo_B),
             jnp.where(ok_B, hi_B, _to_key(last_below_B) + 1))
 
-  lo_B, _ = lax.while_loop(lambda c: jnp.any(c[1] - c[0] > 1), body, (lo_B, hi_B))
+  # hi - 1 > lo, not hi - lo > 1: the keys of values of both signs are more than 2^31 apart.
+  lo_B, _ = lax.while_loop(lambda c: jnp.any(c[1] - 1 > c[0]), body, (lo_B, hi_B))
   return _from_key(lo_B)
 
 
-def top_k_mask(logits_BxV: jax.Array, k: int) -> jax.Array:
-  """Keeps every token whose logit is >= the k-th largest (ties at the k-th all kept)."""
+Threshold = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # as largest_threshold
+
+
+def top_k_mask(logits_BxV: jax.Array, k: int, threshold: Threshold = largest_threshold) -> jax.Array:
+  """Keeps every token whose logit is >= the k-th largest (ties at the k-th all kept).
+
+  `threshold` computes `largest_threshold` (the C++ kernel in the CPU sampler).
+  """
   if k <= 0 or k >= logits_BxV.shape[-1]:
     return jnp.ones(logits_BxV.shape, bool)
   logits_BxV = logits_BxV.astype(jnp.float32)
   ones_BxV = jnp.ones(logits_BxV.shape, jnp.float32)
-  kth_B = largest_threshold(logits_BxV, ones_BxV, jnp.full(logits_BxV.shape[:1], k, jnp.float32))
+  kth_B = threshold(logits_BxV, ones_BxV, jnp.full(logits_BxV.shape[:1], k, jnp.float32))
   return logits_BxV >= kth_B[:, None]
 
 
-def top_p_mask(probs_BxV: jax.Array, top_p: float) -> jax.Array:
+def top_p_mask(probs_BxV: jax.Array, top_p: float, threshold: Threshold = largest_threshold) -> jax.Array:
   """Keeps every token with probability >= tau, tau being the smallest probability
   of the shortest most-likely-first prefix whose mass reaches `top_p` (ties at tau
   all kept). `probs_BxV` must be >= 0 (zeros for tokens already removed)."""
@@ -182,7 +189,7 @@ def top_p_mask(probs_BxV: jax.Array, top_p: float) -> jax.Array:
     return jnp.ones(probs_BxV.shape, bool)
   probs_BxV = probs_BxV.astype(jnp.float32)
   target_B = jnp.full(probs_BxV.shape[:1], top_p, jnp.float32)
-  tau_B = largest_threshold(probs_BxV, probs_BxV, target_B)
+  tau_B = threshold(probs_BxV, probs_BxV, target_B)
   return probs_BxV >= tau_B[:, None]
 
 
@@ -192,16 +199,16 @@ def _softmax(x_BxV: jax.Array) -> jax.Array:
 
 
 def truncate(scaled_BxV: jax.Array, top_k: int = 0, top_p: float = 1.0,
-             probs_BxV: jax.Array | None = None) -> jax.Array:
+             probs_BxV: jax.Array | None = None, threshold: Threshold = largest_threshold) -> jax.Array:
   """Top-k then top-p on temperature-scaled logits; returns the kept mask [B, V].
 
   `probs_BxV`, the softmax of `scaled_BxV`, may be passed in to save a pass.
   """
-  keep_BxV = top_k_mask(scaled_BxV, top_k)
+  keep_BxV = top_k_mask(scaled_BxV, top_k, threshold)
   if top_p < 1.0:
     if top_k > 0 or probs_BxV is None:
       probs_BxV = _softmax(jnp.where(keep_BxV, scaled_BxV, -jnp.inf))
-    keep_BxV &= top_p_mask(probs_BxV, top_p)
+    keep_BxV &= top_p_mask(probs_BxV, top_p, threshold)
   return keep_BxV
 
 
@@ -262,7 +269,8 @@ def log_prob_and_entropy(scaled_BxV: jax.Array, tokens_B: jax.Array, lse_B: jax.
   return logp_B, entropy_B
 
 
-def sample_step(key: jax.Array, logits_BxV: jax.Array, cfg: SamplingConfig):
+def sample_step(key: jax.Array, logits_BxV: jax.Array, cfg: SamplingConfig,
+                threshold: Threshold = largest_threshold):
   """One token per row: (tokens_B int32, logp_B, entropy_B).
 
   logp and entropy are those of the temperature-scaled full distribution (not
@@ -275,7 +283,7 @@ def sample_step(key: jax.Array, logits_BxV: jax.Array, cfg: SamplingConfig):
   scaled_BxV = logits_BxV / jnp.float32(cfg.temperature)
   lse_B = jax.nn.logsumexp(scaled_BxV, axis=-1)
   probs_BxV = jnp.exp(scaled_BxV - lse_B[:, None])  # = _softmax(scaled_BxV)
-  keep_BxV = truncate(scaled_BxV, cfg.top_k, cfg.top_p, probs_BxV)
+  keep_BxV = truncate(scaled_BxV, cfg.top_k, cfg.top_p, probs_BxV, threshold)
   tokens_B = categorical(key, jnp.where(keep_BxV, probs_BxV, 0.0))
   return (tokens_B, *log_prob_and_entropy(scaled_BxV, tokens_B, lse_B, probs_BxV))
 
@@ -408,8 +416,13 @@ class Sampler:
     program = self._programs.get(signature)
     if program is None:
       start = time.perf_counter()
-      fn = jax.jit(functools.partial(self._generate, graphdef, num_samples=g, gen_len=n))
-      with decode_kernel(self._decode_kernel(g, tp)):  # read while tracing
+      kernels = self._use_cpu_kernels()
+      fn = jax.jit(functools.partial(
+          self._generate, graphdef, num_samples=g, gen_len=n,
+          threshold=_cpu_kernels.largest_threshold if kernels else largest_threshold))
+      attention = (functools.partial(_cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
+                   if kernels else None)
+      with decode_kernel(attention):  # read while tracing
         program = fn.lower(*args).compile()
       self._programs[signature] = program
       self.num_compilations += 1
@@ -417,17 +430,15 @@ class Sampler:
                   "(%.1fs)", self.num_compilations, p, tp, n, g, time.perf_counter() - start)
     return program
 
-  def _decode_kernel(self, g: int, tp: int):
-    """The C++ decode attention where it applies (one CPU device), else None (XLA's).
+  def _use_cpu_kernels(self) -> bool:
+    """Whether the C++ kernels apply: one CPU device, and they could be built.
 
-    Each prompt's G rows hold identical copies of its Tp prompt slots, which the kernel
-    then reads once per prompt.
+    The attention kernel reads a prompt's Tp slots once for its G rows, which hold
+    identical copies of them.
     """
     one_device = self.mesh is None or self.mesh.size == 1
-    if (not self.config.cpu_attention_kernel or not one_device
-        or jax.default_backend() != "cpu" or not _cpu_attention.available()):
-      return None
-    return functools.partial(_cpu_attention.decode_attention, share_rows=g, shared_slots=tp)
+    return (self.config.cpu_kernels and one_device and jax.default_backend() == "cpu"
+            and _cpu_kernels.available())
 
   # -- the compiled program -------------------------------------------------
 
@@ -438,7 +449,7 @@ class Sampler:
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
   def _generate(self, graphdef, state, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,
-                num_samples: int, gen_len: int) -> SampleOutput:
+                num_samples: int, gen_len: int, threshold: Threshold) -> SampleOutput:
     cfg, g, n = self.config, num_samples, gen_len
     model: Qwen2 = nnx.merge(graphdef, state)
     if cfg.merge_lora:
@@ -455,8 +466,10 @@ class Sampler:
     # each of its G rows a copy (every cache leaf but the scalar index has batch first).
     ends = segment_ends(n, cfg.decode_segments)
     positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
+    rope_SxHd = rope_table(model.cfg, tp + n)  # positions stay below Tp + N
     hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
-                                 init_cache(model.cfg, p, tp + ends[0], cache_dtype))
+                                 init_cache(model.cfg, p, tp + ends[0], cache_dtype),
+                                 rope_table=rope_SxHd)
     logits_BxV = jnp.repeat(logits_of(hidden_PxTpxD[:, -1]), g, axis=0)
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
     cache = self._constrain_cache(cache)
@@ -491,16 +504,17 @@ class Sampler:
         last_B=jnp.zeros((b,), jnp.int32),
         positions_B=prompt_len_B - 1,
         cache=cache)
-    loop = emit(loop, *sample_step(step_key(0), logits_BxV, cfg))
+    loop = emit(loop, *sample_step(step_key(0), logits_BxV, cfg, threshold))
 
     def cond(end: int, loop: _Loop):
       return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B)
 
     def body(loop: _Loop):
       hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
-                                  jnp.ones((b, 1), bool), loop.cache)
+                                  jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd)
       loop = loop.replace(cache=self._constrain_cache(cache))
-      return emit(loop, *sample_step(step_key(loop.step), logits_of(hidden_Bx1xD[:, 0]), cfg))
+      return emit(loop, *sample_step(step_key(loop.step), logits_of(hidden_Bx1xD[:, 0]), cfg,
+                                     threshold))
 
     # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a
     # larger one (the same layout, more slots), so attention never reads more than it needs.

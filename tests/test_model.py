@@ -25,7 +25,7 @@ from epgrpo_jax.models._lora import fused, low_rank
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
                                from_pretrained, hf_state_dict, init_cache, load_config,
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
-                               save_pretrained, stop_token_ids, unmerge_lora)
+                               rope, rope_table, save_pretrained, stop_token_ids, unmerge_lora)
 from epgrpo_jax.sharding import MeshConfig, make_mesh, param_sharding
 from helpers import random_model, tiny_config, tiny_hf_dir
 
@@ -214,6 +214,20 @@ def test_cached_prefill_and_decode_match_full_forward():
           cache)
 
 
+class TestRopeTable(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_table_lookup_equals_computed_rotation(self):
+    cfg = tiny_config(head_dim=12, rope_theta=5e5)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 7, 2, 12)), jnp.float32)
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4], [9, 10, 11, 12, 13, 14, 15]])
+    with_table = self.variant(lambda x, p: rope(x, p, cfg.rope_theta, rope_table(cfg, 16)))
+    chex.assert_trees_all_close(with_table(x, positions), rope(x, positions, cfg.rope_theta),
+                                atol=1e-6, rtol=0)
+    # Positions past the table read NaN rather than a wrong angle.
+    assert np.isnan(np.asarray(with_table(x, positions + 1))[2, -1]).all()
+
+
 def test_left_padded_rows_equal_unpadded():
   model = random_model(tiny_config(), seed=6)
   pads = [0, 3, 6]
@@ -286,14 +300,20 @@ def test_lora_merged_export_matches_hf(lora, base_dir, tmp_path):
   assert len(list(lora_layers(model))) == len(lora.targets) * model.cfg.num_layers
   tokens, mask, positions = padded_batch(97, [0, 3, 5], 11, "left", seed=12)
   base_logits = ours(base, tokens, mask, positions)
-  # B = 0 at initialisation: adapters on is the base model.
-  chex.assert_trees_all_close(ours(model, tokens, mask, positions), base_logits, atol=1e-6)
+  # B = 0 at initialisation: adapters on is the base model, up to float32 rounding (the
+  # adapted projections are separate matmuls where the base model fuses q/k/v and gate/up,
+  # and AVX-512 CPUs round some columns of the wider matmul differently: ~3e-6 seen).
+  at_init = ours(model, tokens, mask, positions)
+  chex.assert_trees_all_close(at_init, base_logits, atol=1e-5)
 
   randomize_lora(model)
   with_adapters = ours(model, tokens, mask, positions)
   assert np.abs(with_adapters - base_logits)[mask].max() > 0.1  # the adapters matter
-  # Adapters off is the base model, exactly (the reference policy), under jit as it runs.
-  np.testing.assert_array_equal(ours(model, tokens, mask, positions, adapters=False), base_logits)
+  # Adapters off is the policy at initialisation, exactly (the reference policy, so the
+  # progress signal of the first step is exactly 0), under jit as it runs; and the base model.
+  adapters_off = ours(model, tokens, mask, positions, adapters=False)
+  np.testing.assert_array_equal(adapters_off, at_init)
+  chex.assert_trees_all_close(adapters_off, base_logits, atol=1e-5)
 
   directory = save_pretrained(model, tmp_path / "merged")
   torch_logits = hf(hf_model(directory), tokens, mask, positions)

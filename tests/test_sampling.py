@@ -112,6 +112,19 @@ def test_top_k_mask_equals_full_sort(k):
   assert (got.sum(-1) > k).any()  # some rows do tie at the k-th logit
 
 
+def test_top_k_mask_over_logits_of_both_signs():
+  # The ordered int keys of -10 and 10 are more than 2^31 apart: the bisection's stop test
+  # once overflowed there and kept every token.
+  x = np.random.default_rng(4).normal(size=(64, 64)).astype(np.float32) * 8
+  logits = np.concatenate([x, np.round(x / 4) * 4])  # the second half with many ties
+  assert (logits.min(-1) < -4).all() and (logits.max(-1) > 4).all()
+  for k in (1, 5):
+    got = np.asarray(jax.jit(sampling.top_k_mask, static_argnums=1)(jnp.asarray(logits), k))
+    np.testing.assert_array_equal(got, np.stack([ref_top_k(row, k) for row in logits]))
+  extremes = jnp.asarray([[-3e38, -1.0, 0.0, 2.0, 3e38, 5.0]], jnp.float32)
+  np.testing.assert_array_equal(sampling.top_k_mask(extremes, 2), [[0, 0, 0, 0, 1, 1]])
+
+
 def test_top_k_then_top_p_equals_full_sort():
   logits = random_logits(3, 256, 64)
   got = np.asarray(jax.jit(lambda x: sampling.truncate(x, 10, 0.8))(jnp.asarray(logits)))
@@ -369,15 +382,15 @@ class TestCpuDecodeAttention(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_matches_xla_attention(self):
-    from epgrpo_jax.models import _cpu_attention, attend
-    assert _cpu_attention.available()  # the test machines have a C++ compiler
+    from epgrpo_jax.models import _cpu_kernels, attend
+    assert _cpu_kernels.available()  # the test machines have a C++ compiler
     b, k, g, hd, s = 3, 2, 3, 40, 45  # blocks of 32 and 8 slots / head-dim columns, and tails
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.float32)
     keys = jnp.asarray(rng.standard_normal((b, k, hd, s)), jnp.float32)
     values = jnp.asarray(rng.standard_normal((b, k, s, hd)), jnp.float32)
     allowed = jnp.asarray(rng.random((b, s)) < 0.7).at[2].set(False)  # row 2: no allowed slot
-    kernel = self.variant(_cpu_attention.decode_attention)
+    kernel = self.variant(_cpu_kernels.decode_attention)
     for limit in (1, 7, 40, s):
       got = kernel(q, keys, values, allowed, limit)
       visible = allowed & (jnp.arange(s) < limit)[None]
@@ -389,7 +402,7 @@ class TestCpuDecodeAttention(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_reads_shared_slots_from_each_groups_first_row(self):
-    from epgrpo_jax.models import _cpu_attention, attend
+    from epgrpo_jax.models import _cpu_kernels, attend
     b, k, g, hd, s, shared = 6, 2, 2, 64, 50, 33  # 2 groups of 3 rows
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.float32)
@@ -400,7 +413,7 @@ class TestCpuDecodeAttention(chex.TestCase):
     leader = np.repeat(np.arange(0, b, 3), 3)
     seen_keys = keys.at[:, :, :, :shared].set(keys[leader][:, :, :, :shared])
     seen_values = values.at[:, :, :shared].set(values[leader][:, :, :shared])
-    kernel = self.variant(functools.partial(_cpu_attention.decode_attention, share_rows=3,
+    kernel = self.variant(functools.partial(_cpu_kernels.decode_attention, share_rows=3,
                                             shared_slots=shared))
     for limit in (20, s):
       visible = (allowed & (jnp.arange(s) < limit)[None])[:, None]
@@ -409,14 +422,68 @@ class TestCpuDecodeAttention(chex.TestCase):
       assert not np.allclose(want, attend(q[:, :, :, None], keys, values, visible)[:, :, :, 0])
 
 
+class TestCpuLargestThreshold(chex.TestCase):
+  """The C++ `largest_threshold` (top-k / top-p) against the XLA one and a full sort."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_top_k_thresholds_equal_xla(self):
+    from epgrpo_jax.models import _cpu_kernels
+    assert _cpu_kernels.available()
+    logits = jnp.asarray(random_logits(5, 96, 61) * 4)  # both signs, ties, a tail of 5 lanes
+    kernel = self.variant(_cpu_kernels.largest_threshold)
+    for k in (1, 3, 20, 61):
+      target = jnp.full((96,), k, jnp.float32)
+      got = kernel(logits, jnp.ones_like(logits), target)
+      np.testing.assert_array_equal(got, sampling.largest_threshold(logits, jnp.ones_like(logits), target))
+      np.testing.assert_array_equal(np.asarray(logits) >= np.asarray(got)[:, None],
+                                    np.stack([ref_top_k(row, k) for row in np.asarray(logits)]))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_top_p_thresholds_equal_a_full_sort(self):
+    from epgrpo_jax.models import _cpu_kernels
+    probs = softmax_np(random_logits(6, 256, 203))
+    kernel = self.variant(_cpu_kernels.largest_threshold)
+    for top_p in (0.3, 0.9, 0.999):
+      target = jnp.full((256,), top_p, jnp.float32)
+      got = np.asarray(kernel(jnp.asarray(probs), jnp.asarray(probs), target))
+      xla = np.asarray(sampling.largest_threshold(jnp.asarray(probs), jnp.asarray(probs), target))
+      checked = 0
+      for row in range(len(probs)):
+        want, ambiguous = ref_top_p(probs[row], top_p)
+        if not ambiguous:
+          np.testing.assert_array_equal(probs[row] >= got[row], want, err_msg=f"row {row}")
+          assert got[row] == xla[row]
+          checked += 1
+      assert checked > 200
+
+  def test_unreachable_target_gives_the_smallest_value(self):
+    from epgrpo_jax.models import _cpu_kernels
+    values = jnp.asarray([[0.5, -2.0, 7.0, 1.0], [3.0, 3.0, 3.0, 3.0]], jnp.float32)
+    got = _cpu_kernels.largest_threshold(values, jnp.ones_like(values), jnp.asarray([9.0, 2.0]))
+    np.testing.assert_array_equal(got, [-2.0, 3.0])
+
+  def test_negative_and_positive_zero_are_one_value(self):
+    # -0.0 == 0.0: with separate keys for them the bisection once never ended.
+    from epgrpo_jax.models import _cpu_kernels
+    values = jnp.asarray([[-0.0, 0.0, 1.0, -1.0, -0.0], [0.0, -0.0, -0.0, -2.0, 3.0]], jnp.float32)
+    for k in (1, 2, 3, 4):
+      target = jnp.full((2,), k, jnp.float32)
+      got = _cpu_kernels.largest_threshold(values, jnp.ones_like(values), target)
+      np.testing.assert_array_equal(got, sampling.largest_threshold(values, jnp.ones_like(values), target))
+
+
 def uses_cpu_kernel(sampler: Sampler) -> bool:
-  return "epgrpo_decode_attention" in next(iter(sampler._programs.values())).as_text()
+  """Whether the sampler's program calls the C++ kernels (both, or neither)."""
+  text = next(iter(sampler._programs.values())).as_text()
+  attention, threshold = "epgrpo_decode_attention" in text, "epgrpo_largest_threshold" in text
+  assert attention == threshold, text
+  return attention
 
 
 def test_sampler_decodes_with_the_cpu_kernel_like_xla(model):
   from epgrpo_jax import sharding
   config = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, **BUCKETS)
-  with_xla = Sampler(config.replace(cpu_attention_kernel=False))
+  with_xla = Sampler(config.replace(cpu_kernels=False))
   want = with_xla.sample(model, PROMPTS, 4, jax.random.key(3))
   one_device = sharding.make_mesh(devices=jax.devices()[:1])  # as the trainer runs on one CPU
   for with_kernel in (Sampler(config), Sampler(config, mesh=one_device)):
@@ -428,18 +495,18 @@ def test_sampler_decodes_with_the_cpu_kernel_like_xla(model):
 
 
 def test_cpu_kernel_without_a_compiler_falls_back_to_xla(model, tmp_path, monkeypatch, caplog):
-  from epgrpo_jax.models import _cpu_attention
+  from epgrpo_jax.models import _cpu_kernels
   with pytest.raises(RuntimeError, match="compiler '/no/such/c\\+\\+' not found"):
-    _cpu_attention.build("/no/such/c++", tmp_path)
-  with pytest.raises(RuntimeError, match="false failed on _cpu_attention.cc"):
-    _cpu_attention.build("false", tmp_path)  # a "compiler" that exits 1
+    _cpu_kernels.build("/no/such/c++", tmp_path)
+  with pytest.raises(RuntimeError, match="false failed on _cpu_kernels.cc"):
+    _cpu_kernels.build("false", tmp_path)  # a "compiler" that exits 1
   assert not list(tmp_path.iterdir())  # no partial library left behind
   monkeypatch.setenv("CXX", "/no/such/c++")
   monkeypatch.setenv("EPGRPO_KERNEL_DIR", str(tmp_path))
   with caplog.at_level("WARNING", logger="epgrpo_jax.models"):
-    assert not _cpu_attention.available.__wrapped__()
-  assert "kernel unavailable, using XLA's attention" in caplog.text
-  monkeypatch.setattr(_cpu_attention, "available", lambda: False)
+    assert not _cpu_kernels.available.__wrapped__()
+  assert "kernels unavailable, using XLA's attention and thresholds" in caplog.text
+  monkeypatch.setattr(_cpu_kernels, "available", lambda: False)
   sampler = Sampler(SamplingConfig(greedy=True, max_new_tokens=8, **BUCKETS))
   out = sampler.sample(model, PROMPTS, 1, jax.random.key(0))
   assert not uses_cpu_kernel(sampler)

@@ -3,7 +3,7 @@
 from epgrpo_jax.models._config import LORA_TARGETS, PRESETS, LoraConfig, ModelConfig, as_dtype, preset
 from epgrpo_jax.models._lora import BASE, LORA, Linear, lora_layers, merge_lora, unmerge_lora
 from epgrpo_jax.models._qwen2 import (Cache, Qwen2, activation_constraint, attend, decode_kernel,
-                                     init_cache, rope)
+                                     init_cache, rope, rope_cos_sin, rope_table)
 from epgrpo_jax.models._hf_io import (HF_TO_NNX, TOKENIZER_FILES, from_pretrained, hf_state_dict,
                                       load_config, save_pretrained)
 from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, encode_prompts, load_tokenizer,

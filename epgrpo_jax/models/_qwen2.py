@@ -48,7 +48,7 @@ _DECODE_KERNEL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar
 def decode_kernel(fn: Callable | None):
   """While tracing inside, one-token decode steps over a float32 cache attend with
   `fn(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit)` (slots < limit
-  are read) instead of `attend`; e.g. `_cpu_attention.decode_attention`."""
+  are read) instead of `attend`; e.g. `_cpu_kernels.decode_attention`."""
   token = _DECODE_KERNEL.set(fn)
   try:
     yield
@@ -98,7 +98,7 @@ def _remat_block(layer: "Block", x, positions, allowed, adapters: bool):
   graphdef, state = nnx.split(layer)
 
   def pure(state, x, positions, allowed):
-    return nnx.merge(graphdef, state)(x, positions, None, None, allowed, None, adapters)[0]
+    return nnx.merge(graphdef, state)(x, positions, None, None, None, allowed, None, adapters)[0]
 
   return recompute_in_backward(pure)(state, x, positions, allowed)
 
@@ -133,16 +133,39 @@ def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
   return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype))
 
 
-def rope(x_BxTxNxHd, positions_BxT, theta: float):
-  """Rotary embedding in the HF "rotate half" layout, computed in float32."""
-  hd = x_BxTxNxHd.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+def rope_cos_sin(positions_BxT, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles, [B, T, 1, Hd] float32, in the HF "rotate half" layout."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   angles_BxTxHd2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
   angles_BxTx1xHd = jnp.concatenate([angles_BxTxHd2, angles_BxTxHd2], -1)[:, :, None, :]
+  return jnp.cos(angles_BxTx1xHd), jnp.sin(angles_BxTx1xHd)
+
+
+def rope_table(cfg: ModelConfig, length: int) -> tuple[jax.Array, jax.Array]:
+  """`rope_cos_sin` of positions 0..length-1 as [length, Hd] tables, for `Qwen2(rope_table=...)`.
+
+  A decode loop computes it once outside the loop: XLA:CPU fuses cos and sin into
+  their consumers and there evaluates them once per head, which cost about a tenth
+  of a decode step.
+  """
+  cos, sin = rope_cos_sin(jnp.arange(length)[None], cfg.head_dim, cfg.rope_theta)
+  return cos[0, :, 0], sin[0, :, 0]
+
+
+def rope(x_BxTxNxHd, positions_BxT, theta: float, table: tuple[jax.Array, jax.Array] | None = None):
+  """Rotary embedding in the HF "rotate half" layout, computed in float32.
+
+  cos and sin come from `table` (a `rope_table`) at `positions_BxT` if given, else are computed.
+  """
+  if table is None:
+    cos_BxTx1xHd, sin_BxTx1xHd = rope_cos_sin(positions_BxT, x_BxTxNxHd.shape[-1], theta)
+  else:
+    cos_BxTx1xHd, sin_BxTx1xHd = (jnp.take(t_LxHd, positions_BxT, axis=0)[:, :, None]
+                                  for t_LxHd in table)
   x = x_BxTxNxHd.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], -1)
-  out = x * jnp.cos(angles_BxTx1xHd) + rotated * jnp.sin(angles_BxTx1xHd)
+  out = x * cos_BxTx1xHd + rotated * sin_BxTx1xHd
   return out.astype(x_BxTxNxHd.dtype)
 
 
@@ -175,7 +198,7 @@ class Attention(nnx.Module):
     self.o = _linear(cfg, lora, "o", h * hd, d, False, rngs)
     self.cfg = cfg
 
-  def __call__(self, x_BxTxD, positions_BxT, k_BxKxHdxS, v_BxKxSxHd, allowed_BxTxS,
+  def __call__(self, x_BxTxD, positions_BxT, rope_table, k_BxKxHdxS, v_BxKxSxHd, allowed_BxTxS,
                write_index, adapters: bool):
     """Writes this block's keys/values at `write_index` (None: no cache) and attends."""
     cfg = self.cfg
@@ -184,8 +207,8 @@ class Attention(nnx.Module):
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = rope(q, positions_BxT, cfg.rope_theta)
-    k = rope(k, positions_BxT, cfg.rope_theta)
+    q = rope(q, positions_BxT, cfg.rope_theta, rope_table)
+    k = rope(k, positions_BxT, cfg.rope_theta, rope_table)
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
       keys, values = k_BxKxHdxT, v_BxKxTxHd
@@ -228,9 +251,9 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
     self.mlp = MLP(cfg, lora, rngs)
 
-  def __call__(self, x, positions, k, v, allowed, write_index, adapters: bool):
+  def __call__(self, x, positions, rope_table, k, v, allowed, write_index, adapters: bool):
     dtype = x.dtype
-    h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, k, v, allowed,
+    h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, rope_table, k, v, allowed,
                         write_index, adapters)
     x = x + h.astype(dtype)
     x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters).astype(dtype)
@@ -265,13 +288,15 @@ class Qwen2(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: Cache | None = None, *,
-               adapters: bool = True):
+               adapters: bool = True, rope_table: tuple[jax.Array, jax.Array] | None = None):
     """Runs the decoder over `tokens_BxT`.
 
     Without a cache: causal attention within the batch, keys restricted to
     `mask_BxT`. With a cache: the tokens are written to slots
     `[index, index + T)`, marked valid where `mask_BxT`, and attend causally to
     every valid slot. Returns `(hidden_BxTxD, cache)` (the cache updated, or None).
+    `rope_table` (from `rope_table(cfg, L)`) looks the rotary cos/sin up by position
+    instead of computing them; positions must be < L (beyond it they read NaN).
     """
     cfg = self.cfg
     dtype = as_dtype(cfg.dtype)
@@ -302,7 +327,7 @@ class Qwen2(nnx.Module):
       else:
         ck = cache["k"][i] if cache is not None else None
         cv = cache["v"][i] if cache is not None else None
-        x, k, v = layer(x, positions_BxT, ck, cv, allowed, write_index, adapters)
+        x, k, v = layer(x, positions_BxT, rope_table, ck, cv, allowed, write_index, adapters)
       x = _constrain(x)
       new_k.append(k)
       new_v.append(v)

@@ -1,10 +1,13 @@
-"""Decode attention as a C++ XLA FFI kernel for the CPU, built on first use.
+"""The sampler's C++ XLA FFI kernels for the CPU, built on first use.
 
-XLA:CPU runs the decode step's attention (a few hundred `[G, Hd] x [Hd, S]`
-products per layer) well below memory bandwidth, and reads every cache slot,
-including the ones not yet written. `_cpu_attention.cc` reads only the slots
-up to the current one, a prompt's slots once for its G rows, and shares the
-rows over XLA's intra-op threads. It is compiled with the system's C++
+`decode_attention`: XLA:CPU runs the decode step's attention (a few hundred
+`[G, Hd] x [Hd, S]` products per layer) well below memory bandwidth, and reads
+every cache slot, including the ones not yet written; the kernel reads only the
+slots up to the current one, a prompt's slots once for its G rows, and shares
+the rows over XLA's intra-op threads. `largest_threshold`: the top-k / top-p
+bisection of `sampling.largest_threshold`, one vectorised sweep of a row per
+step instead of a dozen single-threaded XLA loop iterations over the batch.
+`_cpu_kernels.cc` is compiled with the system's C++
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
 `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
 and the CPU; without a compiler, `available()` is False (one warning) and
@@ -30,8 +33,9 @@ import numpy as np
 
 logger = logging.getLogger("epgrpo_jax.models")
 
-TARGET = "epgrpo_decode_attention"
-SOURCE = Path(__file__).with_name("_cpu_attention.cc")
+TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
+           "epgrpo_largest_threshold": "EpgrpoLargestThreshold"}  # FFI target: C++ symbol
+SOURCE = Path(__file__).with_name("_cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
 
@@ -59,7 +63,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
   directory = directory or cache_dir()
   key = hashlib.sha256("\n".join([
       SOURCE.read_text(), compiler, " ".join(FLAGS), jax.__version__, _cpu_signature()]).encode())
-  target = directory / f"cpu_attention-{key.hexdigest()[:16]}.so"
+  target = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
   if target.exists():
     return target
   if shutil.which(compiler) is None:
@@ -73,19 +77,20 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
       last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
       raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {last}")
     os.replace(partial, target)
-  logger.info("built the CPU decode-attention kernel: %s", target)
+  logger.info("built the CPU kernels: %s", target)
   return target
 
 
 @functools.cache
 def available() -> bool:
-  """Builds and registers the kernel once per process; False (with a warning) if it cannot."""
+  """Builds and registers the kernels once per process; False (with a warning) if it cannot."""
   try:
     library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.EpgrpoDecodeAttention),
-                                platform="cpu")
+    for target, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                  platform="cpu")
   except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-    logger.warning("CPU decode-attention kernel unavailable, using XLA's attention: %s", e)
+    logger.warning("CPU kernels unavailable, using XLA's attention and thresholds: %s", e)
     return False
   return True
 
@@ -99,8 +104,15 @@ def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, li
   reads those slots from each group's first row only. float32; call `available()` first.
   """
   out = jax.ShapeDtypeStruct(q_BxKxGxHd.shape, jnp.float32)
-  return jax.ffi.ffi_call(TARGET, out)(
+  return jax.ffi.ffi_call("epgrpo_decode_attention", out)(
       q_BxKxGxHd.astype(jnp.float32), keys_BxKxHdxS.astype(jnp.float32),
       values_BxKxSxHd.astype(jnp.float32), allowed_BxS.astype(bool),
       jnp.asarray(limit, jnp.int32), share_rows=np.int64(share_rows),
       shared_slots=np.int64(shared_slots))
+
+
+def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: jax.Array) -> jax.Array:
+  """`sampling.largest_threshold` in C++ (masses summed in float64); call `available()` first."""
+  out = jax.ShapeDtypeStruct(values_BxV.shape[:1], jnp.float32)
+  return jax.ffi.ffi_call("epgrpo_largest_threshold", out)(
+      values_BxV.astype(jnp.float32), weights_BxV.astype(jnp.float32), target_B.astype(jnp.float32))
