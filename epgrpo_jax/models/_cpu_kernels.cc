@@ -265,6 +265,7 @@ using v8d = double __attribute__((vector_size(64)));
 struct Sweep {
   double mass;         // the sum of w where v >= t
   float above, below;  // the smallest v >= t, the largest v < t (+-inf if none)
+  float largest;       // the largest v
 };
 
 // One pass over a row, eight lanes at a time (with -march=native, GCC did not vectorise the
@@ -273,7 +274,7 @@ inline Sweep SweepRow(const float* v, const float* w, int64_t n, float t) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const v8 inf = v8{} + kInf, tv = v8{} + t;
   v8d mass8 = {};
-  v8 above8 = inf, below8 = -inf;
+  v8 above8 = inf, below8 = -inf, largest8 = -inf;
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const v8 x = Load(v + j);
@@ -282,14 +283,17 @@ inline Sweep SweepRow(const float* v, const float* w, int64_t n, float t) {
     const v8 a = in ? x : inf, b = in ? -inf : x;
     above8 = a < above8 ? a : above8;
     below8 = b > below8 ? b : below8;
+    largest8 = x > largest8 ? x : largest8;
   }
-  Sweep s{0.0, kInf, -kInf};
+  Sweep s{0.0, kInf, -kInf, -kInf};
   for (int i = 0; i < 8; ++i) {
     s.mass += mass8[i];
     s.above = std::min(s.above, above8[i]);
     s.below = std::max(s.below, below8[i]);
+    s.largest = std::max(s.largest, largest8[i]);
   }
   for (; j < n; ++j) {
+    s.largest = std::max(s.largest, v[j]);
     if (v[j] >= t) {
       s.mass += w[j];
       s.above = std::min(s.above, v[j]);
@@ -302,9 +306,9 @@ inline Sweep SweepRow(const float* v, const float* w, int64_t n, float t) {
 
 float LargestThreshold(const float* v, const float* w, int64_t n, float target) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  int64_t lo = OrderedKey(SweepRow(v, w, n, -kInf).above), hi = lo;  // the smallest value
-  for (int64_t j = 0; j < n; ++j) hi = std::max(hi, OrderedKey(v[j]));
-  hi += 1;  // mass(hi) < target; hi - 1 is the largest value
+  const Sweep all = SweepRow(v, w, n, -kInf);
+  int64_t lo = OrderedKey(all.above);  // the smallest value
+  int64_t hi = OrderedKey(all.largest) + 1;  // mass(hi) < target; hi - 1 is the largest value
   while (hi - lo > 1) {
     const Sweep s = SweepRow(v, w, n, FromOrderedKey(lo + (hi - lo + 1) / 2));
     if (s.mass >= target) {
