@@ -23,7 +23,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse
 import math
 import tempfile
-import time
 from pathlib import Path
 
 import _common as C

@@ -34,9 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch / OpenMP sta
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse
-import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -239,7 +237,6 @@ def main(argv=None):
   t = {}
   if trl_times is not None:
     t = summary(trl_times, ("step", "generate", "generate_score_reference", "load"), args.warmup)
-    n_steps = len(trl_times["step"]) - args.warmup
     t["loss_backward_optimizer"] = t["step"] - t["generate_score_reference"]
     result["trl"] = t
     result["trl_steps"] = {k: v for k, v in trl_times.items()}

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from epgrpo_jax.errors import UserError
+
 VARIANTS: dict[str, dict[str, bool]] = {
     # Table IV. "-" anchors (no progress signal) are set off; they are unused.
     "grpo": dict(entropy_gate=False, progress_signal=False, zero_variance_anchor=False),
@@ -64,18 +66,18 @@ class AdvantageConfig:
     for name in ("gamma", "lam", "eta", "eps", "delta", "zero_std_tol"):
       value = getattr(self, name)
       if not (is_number(value) and value > 0):
-        raise ValueError(f"advantage.{name}: must be a number > 0, got {value!r}")
+        raise UserError(f"advantage.{name}: must be a number > 0, got {value!r}")
     if not is_number(self.reward_threshold):
-      raise ValueError(f"advantage.reward_threshold: must be a number, got "
+      raise UserError(f"advantage.reward_threshold: must be a number, got "
                        f"{self.reward_threshold!r}")
     if not (isinstance(self.num_buckets, int) and not isinstance(self.num_buckets, bool)
             and self.num_buckets >= 1):
-      raise ValueError(f"advantage.num_buckets: must be >= 1, got {self.num_buckets!r}")
+      raise UserError(f"advantage.num_buckets: must be >= 1, got {self.num_buckets!r}")
     if isinstance(self.std_ddof, bool) or self.std_ddof not in (0, 1):
-      raise ValueError(f"advantage.std_ddof: must be 0 or 1, got {self.std_ddof!r}")
+      raise UserError(f"advantage.std_ddof: must be 0 or 1, got {self.std_ddof!r}")
     for name in ("entropy_gate", "progress_signal", "zero_variance_anchor"):
       if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"advantage.{name}: must be a bool, got {getattr(self, name)!r}")
+        raise UserError(f"advantage.{name}: must be a bool, got {getattr(self, name)!r}")
 
   def replace(self, **kw: Any) -> AdvantageConfig:
     return dataclasses.replace(self, **kw)
@@ -84,7 +86,7 @@ class AdvantageConfig:
   def variant(cls, name: str, **overrides: Any) -> AdvantageConfig:
     """The Table IV variant `name` (a key of `VARIANTS`), with `overrides`."""
     if name not in VARIANTS:
-      raise ValueError(f"advantage.variant: unknown {name!r}; use one of {sorted(VARIANTS)}")
+      raise UserError(f"advantage.variant: unknown {name!r}; use one of {sorted(VARIANTS)}")
     return cls(**{**VARIANTS[name], **overrides})
 
 
@@ -128,9 +130,13 @@ def entropy_gate(entropy_PxGxT: jax.Array, mask_PxGxT: jax.Array, *, gamma: floa
   """Entropy gate W (eqs. 16-18); 0 on padding.
 
   `W = sigmoid(gamma * (H - mu_H) / (sigma_H + eps))`, with mu_H and the
-  population std sigma_H over all masked tokens of the group.
+  population std sigma_H over all masked tokens of the group. The entropies are
+  shifted by the group's minimum first, so a group whose tokens share one entropy
+  value gets exactly `W = sigmoid(0) = 0.5` (no rounding residue over `eps`).
   """
-  h_PxGxT = jnp.where(mask_PxGxT, entropy_PxGxT, 0.0)
+  low_P = jnp.min(jnp.where(mask_PxGxT, entropy_PxGxT, jnp.inf), axis=(1, 2))
+  low_P = jnp.where(jnp.isfinite(low_P), low_P, 0.0)
+  h_PxGxT = jnp.where(mask_PxGxT, entropy_PxGxT - low_P[:, None, None], 0.0)
   count_P = jnp.maximum(jnp.sum(mask_PxGxT, axis=(1, 2)), 1).astype(jnp.float32)
   mu_P = jnp.sum(h_PxGxT, axis=(1, 2)) / count_P
   dev_PxGxT = jnp.where(mask_PxGxT, h_PxGxT - mu_P[:, None, None], 0.0)

@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.rewards import extract_boxed
 from epgrpo_jax.rows import read_rows
 
@@ -164,7 +165,7 @@ def parse_benchmark_files(items: Iterable[str]) -> dict[str, str]:
   for item in items:
     name, sep, path = item.partition("=")
     if not sep or not name.strip() or not path.strip():
-      raise ValueError(f"--benchmark-file {item!r}: expected NAME=PATH, e.g. aime24=data/aime24.jsonl")
+      raise UserError(f"--benchmark-file {item!r}: expected NAME=PATH, e.g. aime24=data/aime24.jsonl")
     out[get_spec(name).name] = path.strip()
   return out
 
@@ -288,12 +289,12 @@ def load_benchmark_with_stats(name: str, path: str | Path | None = None,
   """`load_benchmark`, also returning what was read and skipped."""
   spec = get_spec(name)
   if limit is not None and limit < 0:
-    raise ValueError(f"benchmark {spec.name!r}: limit must be >= 0, got {limit}")
+    raise UserError(f"benchmark {spec.name!r}: limit must be >= 0, got {limit}")
   stats = LoadStats()
   if path is not None:
     file = Path(path)
     if not file.is_file():
-      raise FileNotFoundError(f"benchmark {spec.name!r}: file not found: {file}")
+      raise MissingFileError(f"benchmark {spec.name!r}: file not found: {file}")
     rows, stats.source = read_rows(file, stats.skipped), str(file)
   else:
     file, looked = _local_file(spec, data_dir)
@@ -303,11 +304,11 @@ def load_benchmark_with_stats(name: str, path: str | Path | None = None,
       where = f"looked in: {', '.join(looked)}" if looked else f"no data dir and no ${DATA_DIR_ENV}"
       hint = (f"pass --benchmark-file {spec.name}=PATH (expected {spec.expected})")
       if importlib.util.find_spec("datasets") is None or _offline():
-        raise FileNotFoundError(f"benchmark {spec.name!r}: no local file ({where}); {hint}")
+        raise MissingFileError(f"benchmark {spec.name!r}: no local file ({where}); {hint}")
       try:
         rows, stats.source = _hf_rows(spec)
       except Exception as e:
-        raise FileNotFoundError(f"benchmark {spec.name!r}: no local file ({where}) and Hugging "
+        raise MissingFileError(f"benchmark {spec.name!r}: no local file ({where}) and Hugging "
                                 f"Face failed ({e}); {hint}") from None
   problems = rows_to_problems(spec, rows, stats, limit)
   if sum(stats.skipped.values()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,19 @@ class Checkpointer:
     """
     self.manager.wait_until_finished()
     return restore_trainable(self.directory, step, abstract_trainable)
+
+  def set_aside(self, steps: list[int], tag: str) -> None:
+    """Renames the step directories `steps` to `<step>.<tag>` (kept, no longer steps)."""
+    self.manager.wait_until_finished()
+    if jax.process_index() == 0:
+      for step in steps:
+        src = self.directory / str(step)
+        dst = self.directory / f"{step}.{tag}"
+        n = 1
+        while dst.exists():
+          dst, n = self.directory / f"{step}.{tag}{n}", n + 1
+        os.replace(src, dst)
+    self.manager.reload()
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

@@ -8,6 +8,9 @@ import sys
 import traceback
 from typing import Callable
 
+from epgrpo_jax.errors import RunError, UserError
+
+
 USAGE_ERROR = 2
 
 
@@ -44,26 +47,28 @@ def enable_compilation_cache() -> None:
 
 
 def run_main(fn: Callable[[], int], *, debug: bool = False) -> int:
-  """Runs `fn`; bad input (config, files) becomes one line on stderr and exit 2."""
-  from epgrpo_jax.configlib import ConfigError
+  """Runs `fn` with the exit codes of `epgrpo_jax.errors`.
+
+  A `UserError` (bad config, file, path or flag) is one line on stderr and exit 2; a `RunError`
+  (a documented reason to stop) one line and exit 1; Ctrl-C exit 130. Anything else is a bug
+  and propagates with its traceback (exit 1). `debug` adds the traceback to the one-liners.
+  """
   try:
     return fn()
-  except (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError) as e:
+  except (UserError, RunError) as e:
     if debug:
       traceback.print_exc()
-    print(f"error: {_one_line(e)}", file=sys.stderr)
-    return USAGE_ERROR
+    if isinstance(e, UserError):
+      print(f"error: {one_line(e)}", file=sys.stderr)
+      return USAGE_ERROR
+    print(f"error: {type(e).__name__}: {one_line(e)} (run with --debug for the traceback)",
+          file=sys.stderr)
+    return 1
   except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     return 130
-  except Exception as e:  # a failure of the run itself: still one line unless --debug
-    if debug:
-      raise
-    print(f"error: {type(e).__name__}: {_one_line(e)} (run with --debug for the traceback)",
-          file=sys.stderr)
-    return 1
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
   text = str(e).strip() or type(e).__name__
   return text.splitlines()[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 from epgrpo_jax import configlib
 from epgrpo_jax.advantages import AdvantageConfig
 from epgrpo_jax.data import DataConfig
+from epgrpo_jax.errors import UserError
 from epgrpo_jax.losses import LossConfig
 from epgrpo_jax.models import LoraConfig
 from epgrpo_jax.rewards import RewardConfig
@@ -23,11 +24,20 @@ EMBEDDED = "embedded"
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+def expand_user(obj, *names: str) -> None:
+  """`~` in the path fields `names` of frozen dataclass `obj` becomes the home directory,
+  the same for every path key of the config."""
+  for name in names:
+    value = getattr(obj, name)
+    if isinstance(value, str) and value.startswith("~"):
+      object.__setattr__(obj, name, str(Path(value).expanduser()))
+
+
 def _positive(section: str, obj, *names: str) -> None:
   for name in names:
     value = getattr(obj, name)
     if value <= 0:
-      raise ValueError(f"{section}.{name}: must be > 0, got {value}")
+      raise UserError(f"{section}.{name}: must be > 0, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +49,16 @@ class ModelSection:
   remat: bool = False  # rematerialise decoder layers in the backward pass (long sequences)
 
   def __post_init__(self):
+    expand_user(self, "path")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
-        raise ValueError(f"model.{name}: must be float32 or bfloat16, got {getattr(self, name)!r}")
+        raise UserError(f"model.{name}: must be float32 or bfloat16, got {getattr(self, name)!r}")
     if self.path != EMBEDDED:
       p = Path(self.path).expanduser()
       if not p.is_dir():
-        raise ValueError(f"model.path: not a directory: {self.path}")
+        raise UserError(f"model.path: not a directory: {self.path}")
       if not (p / "config.json").is_file():
-        raise ValueError(f"model.path: no config.json in {self.path}")
+        raise UserError(f"model.path: no config.json in {self.path}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +74,12 @@ class OptimConfig:
   def __post_init__(self):
     _positive("optim", self, "learning_rate", "eps")
     if not 0 <= self.warmup_ratio < 1:
-      raise ValueError(f"optim.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+      raise UserError(f"optim.warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
     if self.weight_decay < 0 or self.max_grad_norm < 0:
-      raise ValueError("optim.weight_decay, optim.max_grad_norm: must be >= 0")
+      raise UserError("optim.weight_decay, optim.max_grad_norm: must be >= 0")
     for name in ("b1", "b2"):
       if not 0 <= getattr(self, name) < 1:
-        raise ValueError(f"optim.{name}: must be in [0, 1), got {getattr(self, name)}")
+        raise UserError(f"optim.{name}: must be in [0, 1), got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +98,16 @@ class TrainSection:
   def __post_init__(self):
     _positive("train", self, "steps", "prompts_per_step", "num_generations", "num_iterations",
               "mini_batches", "grad_accumulation", "max_consecutive_skips")
+    if not 0 <= self.seed < 2 ** 32:
+      raise UserError(f"train.seed: must be in [0, 2**32), got {self.seed}")
+    if not self.output_dir.strip():
+      raise UserError("train.output_dir: empty (an unset shell variable?); name a directory")
     rows = self.prompts_per_step * self.num_generations
     if rows % self.mini_batches:
-      raise ValueError(f"train.mini_batches: {self.mini_batches} does not divide the "
+      raise UserError(f"train.mini_batches: {self.mini_batches} does not divide the "
                        f"{rows} sequences of a step")
     if (rows // self.mini_batches) % self.grad_accumulation:
-      raise ValueError(f"train.grad_accumulation: {self.grad_accumulation} does not divide the "
+      raise UserError(f"train.grad_accumulation: {self.grad_accumulation} does not divide the "
                        f"{rows // self.mini_batches} sequences of an update")
 
 
@@ -110,9 +125,9 @@ class EvalSection:
   def __post_init__(self):
     _positive("eval", self, "samples", "prompts_per_batch")
     if self.every < 0 or self.max_new_tokens < 0 or self.temperature < 0:
-      raise ValueError("eval.every, eval.max_new_tokens, eval.temperature: must be >= 0")
+      raise UserError("eval.every, eval.max_new_tokens, eval.temperature: must be >= 0")
     if not 0 < self.top_p <= 1:
-      raise ValueError(f"eval.top_p: must be in (0, 1], got {self.top_p}")
+      raise UserError(f"eval.top_p: must be in (0, 1], got {self.top_p}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +138,7 @@ class CheckpointConfig:
 
   def __post_init__(self):
     if self.every < 0:
-      raise ValueError(f"checkpoint.every: must be >= 0, got {self.every}")
+      raise UserError(f"checkpoint.every: must be >= 0, got {self.every}")
     _positive("checkpoint", self, "keep")
 
 
@@ -137,7 +152,7 @@ class LoggingConfig:
 
   def __post_init__(self):
     if self.samples_every < 0 or self.samples_count < 0:
-      raise ValueError("logging.samples_every, logging.samples_count: must be >= 0")
+      raise UserError("logging.samples_every, logging.samples_count: must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +166,9 @@ class DistributedConfig:
 
   def __post_init__(self):
     if self.num_processes < 0:
-      raise ValueError(f"distributed.num_processes: must be >= 0, got {self.num_processes}")
+      raise UserError(f"distributed.num_processes: must be >= 0, got {self.num_processes}")
     if self.num_processes and not -1 <= self.process_id < self.num_processes:
-      raise ValueError(f"distributed.process_id: must be in [0, {self.num_processes}), "
+      raise UserError(f"distributed.process_id: must be in [0, {self.num_processes}), "
                        f"got {self.process_id}")
 
 
@@ -170,14 +185,15 @@ class EmbeddedConfig:
   heldout_problems: int = 128
 
   def __post_init__(self):
+    expand_user(self, "data_dir")
     _positive("embedded", self, "sft_steps", "sft_learning_rate", "sft_batch_size",
               "heldout_problems")
     if not 0 <= self.sft_slip < 1:
-      raise ValueError(f"embedded.sft_slip: must be in [0, 1), got {self.sft_slip}")
+      raise UserError(f"embedded.sft_slip: must be in [0, 1), got {self.sft_slip}")
 
   def resolved_data_dir(self) -> Path:
     if self.data_dir:
-      return Path(self.data_dir).expanduser()
+      return Path(self.data_dir)
     return Path(os.environ.get("EPGRPO_DATA_DIR", Path.home() / ".cache" / "epgrpo_jax"))
 
 
@@ -201,10 +217,10 @@ class TrainConfig:
 
   def __post_init__(self):
     if self.train.num_generations < 2:
-      raise ValueError(f"train.num_generations: GRPO-family advantages need G >= 2 responses per "
+      raise UserError(f"train.num_generations: GRPO-family advantages need G >= 2 responses per "
                        f"prompt, got {self.train.num_generations}")
     if self.sampling.max_new_tokens < 1:
-      raise ValueError("sampling.max_new_tokens: must be >= 1")
+      raise UserError("sampling.max_new_tokens: must be >= 1")
 
   def replace(self, **sections) -> "TrainConfig":
     return dataclasses.replace(self, **sections)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -18,8 +19,11 @@ from typing import Any
 
 import yaml
 
+from epgrpo_jax.errors import UserError
 
-class ConfigError(ValueError):
+
+
+class ConfigError(UserError):
   """A configuration problem, stated in one line that names the key."""
 
 
@@ -138,17 +142,24 @@ def coerce(tp, value: Any, key: str):
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
   if tp is int:
     if isinstance(value, int) and not isinstance(value, bool):
+      if not -2 ** 63 <= value < 2 ** 63:
+        raise ConfigError(f"{key}: out of the 64-bit integer range, got {value!r}")
       return value
     raise ConfigError(f"{key}: expected an integer, got {value!r}")
   if tp is float:
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
+      number = float(value)
+    elif isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
       try:
-        return float(value)
+        number = float(value)
       except ValueError:
         pass
-    raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if number is None:
+      raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if not math.isfinite(number):
+      raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    return number
   if tp is str:
     if isinstance(value, str):
       return value

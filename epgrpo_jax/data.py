@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import grain
 import numpy as np
 
+from epgrpo_jax.errors import UserError
 from epgrpo_jax.rows import read_rows
 
 log = logging.getLogger("epgrpo_jax.data")
@@ -49,16 +50,16 @@ class DataConfig:
 
   def __post_init__(self):
     if "{problem}" not in self.prompt_template:
-      raise ValueError("data.prompt_template: must contain {problem}")
+      raise UserError("data.prompt_template: must contain {problem}")
     if self.max_prompt_tokens < 1:
-      raise ValueError(f"data.max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens}")
+      raise UserError(f"data.max_prompt_tokens: must be >= 1, got {self.max_prompt_tokens}")
     if self.heldout_limit < 0:
-      raise ValueError(f"data.heldout_limit: must be >= 0, got {self.heldout_limit}")
+      raise UserError(f"data.heldout_limit: must be >= 0, got {self.heldout_limit}")
     for f in self.train_files:
       if not Path(f).is_file():
-        raise ValueError(f"data.train_files: file not found: {f}")
+        raise UserError(f"data.train_files: file not found: {f}")
     if self.heldout_file and not Path(self.heldout_file).is_file():
-      raise ValueError(f"data.heldout_file: file not found: {self.heldout_file}")
+      raise UserError(f"data.heldout_file: file not found: {self.heldout_file}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,11 @@ def get_field(row: dict, dotted: str) -> Any:
     else:
       return None
   return node
+
+
+def _is_scalar(value: Any) -> bool:
+  """None (reported as missing), a string or a number; a list, object or bool is not text."""
+  return value is None or (isinstance(value, (str, int, float)) and not isinstance(value, bool))
 
 
 def _text(value: Any) -> str | None:
@@ -129,10 +135,15 @@ def prepare(rows: Sequence[dict], renderer: PromptRenderer, cfg: DataConfig, ski
     if not isinstance(row, dict):
       skips["not_an_object"] += 1
       continue
-    problem = _text(get_field(row, cfg.problem_field))
-    answer = _text(answer_of(row) if answer_of else get_field(row, cfg.answer_field))
+    raw_problem = get_field(row, cfg.problem_field)
+    raw_answer = answer_of(row) if answer_of else get_field(row, cfg.answer_field)
+    problem, answer = _text(raw_problem), _text(raw_answer)
     reason = None
-    if problem is None:
+    if not _is_scalar(raw_problem):
+      reason = "problem_not_text"
+    elif not _is_scalar(raw_answer):
+      reason = "answer_not_text"
+    elif problem is None:
       reason = "missing_problem"
     elif answer is None:
       reason = "missing_answer"
@@ -164,7 +175,7 @@ def load_examples(files: Sequence[str | Path], renderer: PromptRenderer, cfg: Da
     examples += prepare(read_rows(f, skips), renderer, cfg, skips, source=str(f), answer_ok=answer_ok)
   if not examples:
     names = ", ".join(map(str, files))
-    raise ValueError(f"{names}: no usable row (skipped: {skips.summary()}; fields "
+    raise UserError(f"{names}: no usable row (skipped: {skips.summary()}; fields "
                      f"data.problem_field={cfg.problem_field!r}, data.answer_field={cfg.answer_field!r})")
   return examples, skips
 
@@ -179,10 +190,10 @@ def batch_iterator(num_examples: int, batch_size: int, *, seed: int, shuffle: bo
   each. The global batches, and so a run, do not depend on the number of processes.
   """
   if batch_size % shard_count:
-    raise ValueError(f"train.prompts_per_step: {batch_size} is not divisible by the "
+    raise UserError(f"train.prompts_per_step: {batch_size} is not divisible by the "
                      f"{shard_count} processes")
   if num_examples < batch_size:
-    raise ValueError(f"train.prompts_per_step: {batch_size} prompts per step but only "
+    raise UserError(f"train.prompts_per_step: {batch_size} prompts per step but only "
                      f"{num_examples} usable rows")
   ds = grain.MapDataset.range(num_examples)
   if shuffle:

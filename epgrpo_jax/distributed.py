@@ -30,6 +30,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from epgrpo_jax.errors import UserError
+
 log = logging.getLogger("epgrpo_jax.distributed")
 
 ENV_COORDINATOR = "EPGRPO_COORDINATOR"  # host:port of process 0
@@ -44,7 +46,7 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
   try:
     return int(value)
   except ValueError:
-    raise ValueError(f"{name}: must be an integer, got {value!r}") from None
+    raise UserError(f"{name}: must be an integer, got {value!r}") from None
 
 
 def initialize(cfg=None, environ: Mapping[str, str] | None = None) -> bool:
@@ -71,7 +73,7 @@ def initialize(cfg=None, environ: Mapping[str, str] | None = None) -> bool:
     raise RuntimeError("distributed: jax.distributed.initialize must run before any JAX "
                        "computation; call epgrpo_jax.distributed.initialize first")
   if num_processes and not -1 <= process_id < num_processes:
-    raise ValueError(f"distributed.process_id: must be in [0, {num_processes}), got {process_id}")
+    raise UserError(f"distributed.process_id: must be in [0, {num_processes}), got {process_id}")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator or None,
                              num_processes=num_processes or None,

@@ -19,6 +19,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import logging
 import math
 import sys
@@ -31,7 +32,9 @@ import jax
 import numpy as np
 
 from epgrpo_jax import cli
+from epgrpo_jax.atomic import write_text_atomic
 from epgrpo_jax.distributed import to_host
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.rewards import RewardResult, RewardScorer, pass_at_k
 
 if TYPE_CHECKING:
@@ -249,7 +252,7 @@ def render_examples(problems: Sequence[Any], renderer, *, max_new_tokens: int,
     elif len(ids) + max_new_tokens > context_tokens:
       skipped["exceeds_context"] += 1
     elif not ids:
-      raise ValueError(f"problem {p.id}: empty prompt")
+      raise UserError(f"problem {p.id}: empty prompt")
     else:
       examples.append(Example(id=p.id, problem=p.problem, answer=p.answer, prompt_ids=tuple(ids)))
       continue
@@ -298,9 +301,9 @@ def resolve_checkpoint(path: str | Path) -> CheckpointRef:
   p = Path(path).expanduser()
   flag = f"--checkpoint {path}"
   if not p.exists():
-    raise FileNotFoundError(f"{flag}: not found")
+    raise MissingFileError(f"{flag}: not found")
   if not p.is_dir():
-    raise NotADirectoryError(f"{flag}: not a directory (expected RUN_DIR, RUN_DIR/checkpoints "
+    raise UserError(f"{flag}: not a directory (expected RUN_DIR, RUN_DIR/checkpoints "
                              "or RUN_DIR/checkpoints/<step>)")
   if p.name.isdigit() and (p / "state").is_dir():
     step_dir = p
@@ -308,14 +311,14 @@ def resolve_checkpoint(path: str | Path) -> CheckpointRef:
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     steps = _step_dirs(root)
     if not steps and (p / "config.json").is_file():
-      raise ValueError(f"{flag}: a Hugging Face model directory (e.g. RUN_DIR/policy, with the "
+      raise UserError(f"{flag}: a Hugging Face model directory (e.g. RUN_DIR/policy, with the "
                        "adapters merged); pass it as --model instead")
     if not steps:
-      raise FileNotFoundError(f"{flag}: no checkpoint step directory in {root} (expected "
+      raise MissingFileError(f"{flag}: no checkpoint step directory in {root} (expected "
                               "RUN_DIR, RUN_DIR/checkpoints or RUN_DIR/checkpoints/<step>)")
     step_dir = steps[max(steps)]
   if not (step_dir / "state").is_dir():
-    raise FileNotFoundError(f"{flag}: {step_dir} has no 'state' item (not an epgrpo_jax "
+    raise MissingFileError(f"{flag}: {step_dir} has no 'state' item (not an epgrpo_jax "
                             "training checkpoint, or an unfinished save)")
   root = step_dir.parent
   run_dir = root.parent if root.name == "checkpoints" else root
@@ -326,17 +329,17 @@ def resolve_checkpoint(path: str | Path) -> CheckpointRef:
       try:
         run_config = yaml.safe_load(cand.read_text()) or {}
       except yaml.YAMLError:
-        raise ValueError(f"{cand}: invalid YAML") from None
+        raise UserError(f"{cand}: invalid YAML") from None
       if not isinstance(run_config, dict):
-        raise ValueError(f"{cand}: expected a mapping of config sections")
+        raise UserError(f"{cand}: expected a mapping of config sections")
       break
   try:
     shapes = saved_trainable_shapes(step_dir)
   except Exception as e:  # Orbax raises several types on a damaged checkpoint
-    raise ValueError(f"{flag}: cannot read {step_dir / 'state'} "
-                     f"({type(e).__name__}: {cli._one_line(e)})") from None
+    raise UserError(f"{flag}: cannot read {step_dir / 'state'} "
+                     f"({type(e).__name__}: {cli.one_line(e)})") from None
   if not shapes:
-    raise ValueError(f"{flag}: {step_dir / 'state'} holds no 'trainable' parameters")
+    raise UserError(f"{flag}: {step_dir / 'state'} holds no 'trainable' parameters")
   return CheckpointRef(step_dir, int(step_dir.name), run_dir, run_config, shapes)
 
 
@@ -352,7 +355,7 @@ def checkpoint_lora(ref: CheckpointRef, rank: int | None, alpha: float | None):
   model_cfg, lora_cfg = _section(ref.run_config, "model"), _section(ref.run_config, "lora")
   full = ref.full_finetune
   if "full_finetune" in model_cfg and bool(model_cfg["full_finetune"]) != full:
-    raise ValueError(f"--checkpoint {ref.step_dir}: config.yaml says model.full_finetune="
+    raise UserError(f"--checkpoint {ref.step_dir}: config.yaml says model.full_finetune="
                      f"{model_cfg['full_finetune']} but the checkpoint holds "
                      f"{'all weights' if full else 'LoRA adapters'}")
   if full:
@@ -361,14 +364,14 @@ def checkpoint_lora(ref: CheckpointRef, rank: int | None, alpha: float | None):
   alpha = alpha or lora_cfg.get("alpha")
   targets = tuple(lora_cfg.get("targets") or ref.lora_targets)
   if alpha is None:
-    raise ValueError(f"--checkpoint {ref.step_dir}: no config.yaml in the run directory to "
+    raise UserError(f"--checkpoint {ref.step_dir}: no config.yaml in the run directory to "
                      "read lora.alpha from; pass --lora-alpha (and --lora-rank) as trained")
   lora = LoraConfig(rank=int(rank), alpha=float(alpha), targets=targets)
   if ref.lora_rank is not None and lora.rank != ref.lora_rank:
-    raise ValueError(f"--checkpoint {ref.step_dir}: adapters of rank {ref.lora_rank}, "
+    raise UserError(f"--checkpoint {ref.step_dir}: adapters of rank {ref.lora_rank}, "
                      f"but rank {lora.rank} was given")
   if set(lora.targets) != set(ref.lora_targets):
-    raise ValueError(f"--checkpoint {ref.step_dir}: adapters on {list(ref.lora_targets)}, "
+    raise UserError(f"--checkpoint {ref.step_dir}: adapters on {list(ref.lora_targets)}, "
                      f"but lora.targets is {list(lora.targets)}")
   return lora
 
@@ -391,13 +394,13 @@ def load_policy(model_dir: str | Path, *, dtype: str = "float32",
     missing = sorted(set(checkpoint.trainable) ^ set(expected))
     diff = missing[0] if missing else next(
         k for k in expected if expected[k] != checkpoint.trainable[k])
-    raise ValueError(f"--checkpoint {checkpoint.step_dir}: does not fit the model in "
+    raise UserError(f"--checkpoint {checkpoint.step_dir}: does not fit the model in "
                      f"{model_dir} (first difference: {diff}); is --model the run's base model?")
   try:
     restored = restore_trainable(checkpoint.step_dir.parent, checkpoint.step, trainable)
   except Exception as e:  # Orbax raises several types
-    raise ValueError(f"--checkpoint {checkpoint.step_dir}: cannot restore "
-                     f"({type(e).__name__}: {cli._one_line(e)})") from None
+    raise UserError(f"--checkpoint {checkpoint.step_dir}: cannot restore "
+                     f"({type(e).__name__}: {cli.one_line(e)})") from None
   model = nnx.merge(graphdef, restored, rest)
   if lora is not None:
     merge_lora(model)
@@ -506,12 +509,12 @@ def _benchmark_names(text: str) -> list[str]:
   from epgrpo_jax import benchmarks
   names = [n.strip() for n in text.split(",") if n.strip()]
   if not names:
-    raise ValueError("--benchmarks: empty list")
+    raise UserError("--benchmarks: empty list")
   out = []
   for n in names:
     name = benchmarks.get_spec(n).name
     if name in out:
-      raise ValueError(f"--benchmarks: {name} listed twice")
+      raise UserError(f"--benchmarks: {name} listed twice")
     out.append(name)
   return out
 
@@ -525,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
   """The evaluation command; returns the exit code."""
   from epgrpo_jax import benchmarks, data
   from epgrpo_jax.metrics import Progress
-  from epgrpo_jax.models import load_config, load_tokenizer, stop_token_ids
+  from epgrpo_jax.models import check_vocab, load_config, load_tokenizer, stop_token_ids
   from epgrpo_jax.rewards import RewardConfig
   from epgrpo_jax.sampling import Sampler, SamplingConfig
 
@@ -535,17 +538,17 @@ def run(args: argparse.Namespace) -> int:
   run_data = _section(ref.run_config if ref else None, "data")
   model_dir = args.model or run_model.get("path")
   if not model_dir or model_dir == "embedded":
-    raise ValueError(f"--model: required (the run's config.yaml names model.path={model_dir!r})")
+    raise UserError(f"--model: required (the run's config.yaml names model.path={model_dir!r})")
   model_dir = Path(model_dir).expanduser()
   if not model_dir.is_dir():
-    raise FileNotFoundError(f"--model {model_dir}: not a directory")
+    raise MissingFileError(f"--model {model_dir}: not a directory")
   if not (model_dir / "config.json").is_file():
-    raise FileNotFoundError(f"--model {model_dir}: no config.json (not a Hugging Face model "
+    raise MissingFileError(f"--model {model_dir}: no config.json (not a Hugging Face model "
                             "directory)")
   lora = checkpoint_lora(ref, args.lora_rank, args.lora_alpha) if ref else None
   context = load_config(model_dir).max_position_embeddings
   if args.max_new_tokens >= context:
-    raise ValueError(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in "
+    raise UserError(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in "
                      f"the model's context of {context} tokens (max_position_embeddings)")
 
   # Problems first: a missing benchmark file fails before the model is loaded.
@@ -557,6 +560,7 @@ def run(args: argparse.Namespace) -> int:
     load_skips[name] = {k: int(v) for k, v in stats.skipped.items() if v}
 
   tokenizer = load_tokenizer(model_dir)
+  check_vocab(tokenizer, load_config(model_dir), model_dir)
   data_cfg = data.DataConfig(
       prompt_template=(args.prompt_template if args.prompt_template is not None
                        else run_data.get("prompt_template") or EVAL_TEMPLATE),
@@ -575,6 +579,19 @@ def run(args: argparse.Namespace) -> int:
                   sum(prompt_skips[name].values()), len(problems),
                   ", ".join(f"{k}={v}" for k, v in sorted(prompt_skips[name].items())), context,
                   args.max_new_tokens)
+    if not examples[name]:
+      skipped = {**load_skips[name], **prompt_skips[name]}
+      raise UserError(f"--benchmarks {name}: no usable problem in {sources[name]} (skipped: "
+                      f"{', '.join(f'{k}={v}' for k, v in sorted(skipped.items())) or 'none'})")
+
+  out_dir = Path(args.out).expanduser() if args.out else (
+      ref.run_dir / "eval" / f"step_{ref.step}" if ref else Path("eval") / model_dir.name)
+  if out_dir.exists() and not out_dir.is_dir():
+    raise UserError(f"--out {out_dir}: exists and is not a directory")
+  try:
+    out_dir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"--out {out_dir}: cannot create ({e.strerror})") from None
 
   model = load_policy(model_dir, dtype=args.dtype, checkpoint=ref, lora=lora, seed=args.seed)
   if ref:
@@ -586,15 +603,17 @@ def run(args: argparse.Namespace) -> int:
                                    max_new_tokens=args.max_new_tokens),
                     eos_ids=stop_token_ids(tokenizer, model.cfg, model_dir=model_dir),
                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-  out_dir = Path(args.out) if args.out else (
-      ref.run_dir / "eval" / f"step_{ref.step}" if ref else Path("eval") / model_dir.name)
-  out_dir.mkdir(parents=True, exist_ok=True)
   ks = table_ks(args.samples)
   key = jax.random.key(args.seed)
   per_benchmark: dict[str, dict[str, Any]] = {}
   reward_cfg = RewardConfig(timeout_s=args.reward_timeout)
   progress_on = not args.no_progress
-  with RewardScorer(reward_cfg) as scorer, open(out_dir / "samples.jsonl", "w") as samples_file:
+  # Samples go to a temporary file that replaces samples.jsonl only with the new results, so an
+  # interrupted evaluation leaves an earlier one in the directory whole and consistent.
+  for stale in out_dir.glob(".samples.jsonl.tmp-*"):  # left by an interrupted evaluation
+    stale.unlink()
+  samples_tmp = out_dir / f".samples.jsonl.tmp-{os.getpid()}"
+  with RewardScorer(reward_cfg) as scorer, open(samples_tmp, "w") as samples_file:
     for name, exs in examples.items():
       bench_start = time.perf_counter()
       result = None
@@ -621,7 +640,7 @@ def run(args: argparse.Namespace) -> int:
   settings = (f"{args.samples} samples per problem, temperature {args.temperature}, top-p "
               f"{args.top_p}, max {args.max_new_tokens} new tokens, seed {args.seed}")
   note = skip_note(per_benchmark, context, args.max_prompt_tokens, args.max_new_tokens)
-  (out_dir / "results.md").write_text(
+  results_md = (
       f"# Evaluation of {title}\n\n{settings}. Acc, Fmt and pass@k in %; Average is the "
       f"unweighted mean over benchmarks.\n\n{table}\n" + (f"\n{note}\n" if note else ""))
   config = {
@@ -640,7 +659,9 @@ def run(args: argparse.Namespace) -> int:
   results = {"benchmarks": per_benchmark, "average": average, "config": config,
              "reward_check_stats": reward_stats,
              "seconds": round(time.perf_counter() - start, 3)}
-  (out_dir / "results.json").write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+  os.replace(samples_tmp, out_dir / "samples.jsonl")
+  write_text_atomic(out_dir / "results.json", json.dumps(results, indent=2, ensure_ascii=False) + "\n")
+  write_text_atomic(out_dir / "results.md", results_md)
   print(table + (f"\n\n{note}" if note else ""), flush=True)
   print(f"results: {out_dir / 'results.md'}, {out_dir / 'results.json'}, "
         f"{out_dir / 'samples.jsonl'}", flush=True)

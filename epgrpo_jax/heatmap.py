@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from epgrpo_jax import cli
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.rows import jsonl_rows
 
 # key in samples.jsonl -> (data attribute, button label, scale kind, description)
@@ -73,12 +74,12 @@ def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
   """The group records of RUN_DIR/samples.jsonl (written by the trainer)."""
   path = Path(run_dir) / "samples.jsonl"
   if not path.is_file():
-    raise FileNotFoundError(f"{path}: not found (the run dumps samples every "
+    raise MissingFileError(f"{path}: not found (the run dumps samples every "
                             "logging.samples_every steps)")
   # A truncated last line of a killed run is skipped with a warning.
   groups = [rec for rec in jsonl_rows(path) if "responses" in rec]
   if not groups:
-    raise ValueError(f"{path}: no group records (written by an older version of the trainer?)")
+    raise UserError(f"{path}: no group records (written by an older version of the trainer?)")
   return groups
 
 
@@ -90,14 +91,14 @@ def select_group(groups: Sequence[dict], step: int | None = None,
   step = steps[-1] if step is None else step
   at = [g for g in groups if g["step"] == step]
   if not at:
-    raise ValueError(f"--step {step}: no samples at that step; steps with samples: "
+    raise UserError(f"--step {step}: no samples at that step; steps with samples: "
                      f"{', '.join(map(str, steps))}")
   if group is None:
     varied = [g for g in at if len({r["reward"] for r in g["responses"]}) > 1]
     return (varied or at)[0]
   chosen = [g for g in at if g["group"] == group]
   if not chosen:
-    raise ValueError(f"--group {group}: not dumped at step {step}; groups: "
+    raise UserError(f"--group {group}: not dumped at step {step}; groups: "
                      f"{', '.join(str(g['group']) for g in at)}")
   return chosen[0]
 
@@ -194,7 +195,7 @@ def _response_html(r: dict[str, Any], index: int, limits: dict[str, float]) -> s
   n = len(toks)
   for key in QUANTITIES:
     if len(r.get(key, ())) != n:
-      raise ValueError(f"response {r.get('sample', index)}: {key} has {len(r.get(key, ()))} "
+      raise UserError(f"response {r.get('sample', index)}: {key} has {len(r.get(key, ()))} "
                        f"values for {n} tokens")
   kind = QUANTITIES[DEFAULT_QUANTITY][2]
   parts = []
@@ -319,7 +320,7 @@ show(Q[location.hash.slice(1)] ? location.hash.slice(1) : %(default)s);
 
 
 def render_html(group: dict[str, Any], *, title: str = "", source: str = "") -> str:
-  """The self-contained page of one group record (see `_sample_records` in trainer.py)."""
+  """The self-contained page of one group record (see `sample_records` in trainer.py)."""
   responses = group["responses"]
   if not responses:
     raise ValueError("the group has no responses")
@@ -392,11 +393,11 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
   from epgrpo_jax.checkpointing import restore_trainable
   from epgrpo_jax.config import load_config
   from epgrpo_jax.rewards import parse_gold
-  from epgrpo_jax.trainer import Trainer, _sample_records
+  from epgrpo_jax.trainer import Trainer, sample_records
 
   run_dir = Path(run_dir)
   if not (run_dir / "config.yaml").is_file():
-    raise FileNotFoundError(f"--checkpoint {run_dir}: no config.yaml (not a run directory)")
+    raise MissingFileError(f"--checkpoint {run_dir}: no config.yaml (not a run directory)")
   cfg = load_config(run_dir / "config.yaml")
   G = num_samples or cfg.train.num_generations
   scratch = Path(tempfile.mkdtemp(prefix="epgrpo-heatmap-"))
@@ -423,7 +424,7 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
       problem, answer = first.problem, answer or first.answer
     if answer is None:
       if problem not in known:
-        raise ValueError("--answer: required for a problem that is not in the run's data")
+        raise UserError("--answer: required for a problem that is not in the run's data")
       answer = known[problem].answer
     parse_gold(str(answer))  # fails early on an unusable answer
     example = data.Example(id=known[problem].id if problem in known else "cli", problem=problem,
@@ -432,7 +433,7 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
     trainer.train_examples = [example]
     trainer.data_iter = itertools.repeat(np.zeros(1, np.int64))
     _, _, record = trainer.step(state)
-    return _sample_records(step, record, 1, tokenizer=trainer.tokenizer)[0]
+    return sample_records(step, record, 1, tokenizer=trainer.tokenizer)[0]
   finally:
     trainer.close()
     shutil.rmtree(scratch, ignore_errors=True)
@@ -448,7 +449,7 @@ def _mesh_for_rows(cfg, rows: int):
   if rows % (data * fsdp) == 0:
     return make_mesh(cfg.mesh)
   if rows % fsdp or jax.process_count() > 1:
-    raise ValueError(f"--samples: {rows} responses are not divisible by the run's mesh.data x "
+    raise UserError(f"--samples: {rows} responses are not divisible by the run's mesh.data x "
                      f"mesh.fsdp = {data} x {fsdp} batch shards; choose a multiple of "
                      f"{data * fsdp}")
   data = math.gcd(rows // fsdp, data)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from epgrpo_jax.errors import UserError
+
 _F32 = jnp.float32
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_max_len")
 
@@ -208,15 +210,15 @@ class LossConfig:
 
   def __post_init__(self):
     if not 0 <= self.eps_low < 1:
-      raise ValueError(f"loss.eps_low: must be in [0, 1), got {self.eps_low!r}")
+      raise UserError(f"loss.eps_low: must be in [0, 1), got {self.eps_low!r}")
     if not self.eps_high >= 0:
-      raise ValueError(f"loss.eps_high: must be >= 0, got {self.eps_high!r}")
+      raise UserError(f"loss.eps_high: must be >= 0, got {self.eps_high!r}")
     if not self.beta >= 0:
-      raise ValueError(f"loss.beta: must be >= 0, got {self.beta!r}")
+      raise UserError(f"loss.beta: must be >= 0, got {self.beta!r}")
     if self.aggregation not in AGGREGATIONS:
-      raise ValueError(f"loss.aggregation: unknown {self.aggregation!r}; use one of {AGGREGATIONS}")
+      raise UserError(f"loss.aggregation: unknown {self.aggregation!r}; use one of {AGGREGATIONS}")
     if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
-      raise ValueError(f"loss.max_len: must be None or an int >= 1, got {self.max_len!r}")
+      raise UserError(f"loss.max_len: must be None or an int >= 1, got {self.max_len!r}")
 
   def replace(self, **kw: Any) -> LossConfig:
     return dataclasses.replace(self, **kw)

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from epgrpo_jax.atomic import open_for_append, write_text_atomic
 from epgrpo_jax.rows import jsonl_rows
 
 log = logging.getLogger("epgrpo_jax")
@@ -53,7 +54,7 @@ class MetricsWriter:
     if not enabled:
       return
     self.run_dir.mkdir(parents=True, exist_ok=True)
-    self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+    self._jsonl = open_for_append(self.run_dir / "metrics.jsonl")
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=10)
@@ -79,11 +80,11 @@ class MetricsWriter:
 
   def write_json(self, name: str, obj: Any) -> None:
     if self.enabled:
-      (self.run_dir / name).write_text(json.dumps(obj, indent=2) + "\n")
+      write_text_atomic(self.run_dir / name, json.dumps(obj, indent=2) + "\n")
 
   def append_jsonl(self, name: str, records: Iterable[dict]) -> None:
     if self.enabled:
-      with open(self.run_dir / name, "a") as f:
+      with open_for_append(self.run_dir / name) as f:
         for r in records:
           f.write(json.dumps(r, ensure_ascii=False) + "\n")
 

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from epgrpo_jax import cli
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.metrics import read_metrics
 
 
@@ -84,7 +85,7 @@ def load_runs(run_dirs: Sequence[str | Path], names: Sequence[str] | None = None
   for i, d in enumerate(run_dirs):
     d = Path(d)
     if not (d / "metrics.jsonl").is_file():
-      raise FileNotFoundError(f"{d}: no metrics.jsonl (not a run directory?)")
+      raise MissingFileError(f"{d}: no metrics.jsonl (not a run directory?)")
     name = names[i] if names else (d.resolve().name or str(d))
     runs.append(Run(name, d, read_metrics(d)))
   return runs
@@ -133,7 +134,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
   import matplotlib.pyplot as plt
 
   if names is not None and len(names) != len(run_dirs):
-    raise ValueError(f"--names: {len(names)} names for {len(run_dirs)} runs")
+    raise UserError(f"--names: {len(names)} names for {len(run_dirs)} runs")
   runs = load_runs(run_dirs, names)
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from epgrpo_jax.errors import UserError
+
 log = logging.getLogger("epgrpo_jax.rewards")
 
 FALLBACKS = ("none", "answer_is", "last_number", "any")
@@ -83,18 +85,18 @@ class RewardConfig:
     if self.function:
       module, _, qualname = self.function.partition(":")
       if not module or not qualname:
-        raise ValueError(f"reward.function: expected 'module:function', got {self.function!r}")
+        raise UserError(f"reward.function: expected 'module:function', got {self.function!r}")
     if self.fallback not in FALLBACKS:
-      raise ValueError(f"reward.fallback: must be one of {FALLBACKS}, got {self.fallback!r}")
+      raise UserError(f"reward.fallback: must be one of {FALLBACKS}, got {self.fallback!r}")
     if not self.timeout_s > 0:
-      raise ValueError(f"reward.timeout_s: must be > 0, got {self.timeout_s}")
+      raise UserError(f"reward.timeout_s: must be > 0, got {self.timeout_s}")
     if not math.isfinite(self.numeric_rel_tol):
-      raise ValueError(f"reward.numeric_rel_tol: must be finite, got {self.numeric_rel_tol}")
+      raise UserError(f"reward.numeric_rel_tol: must be finite, got {self.numeric_rel_tol}")
     if self.max_answer_chars < 1:
-      raise ValueError(f"reward.max_answer_chars: must be >= 1, got {self.max_answer_chars}")
+      raise UserError(f"reward.max_answer_chars: must be >= 1, got {self.max_answer_chars}")
     for name in ("accuracy_weight", "format_weight", "format_penalty"):
       if not math.isfinite(getattr(self, name)):
-        raise ValueError(f"reward.{name}: must be finite, got {getattr(self, name)}")
+        raise UserError(f"reward.{name}: must be finite, got {getattr(self, name)}")
 
 
 # ----------------------------------------------------------------------------
@@ -317,17 +319,31 @@ def _gold_string(answer: Any) -> str:
   if isinstance(answer, (float, np.floating)):
     value = float(answer)
     if not math.isfinite(value):
-      raise ValueError(f"gold answer: not finite ({answer!r})")
+      raise UserError(f"gold answer: not finite ({answer!r})")
     return str(int(value)) if value.is_integer() else repr(value)
   if isinstance(answer, str):
     return answer.strip()
   raise TypeError(f"gold answer: expected str/int/float, got {type(answer).__name__}")
 
 
+def _braces_balance(text: str) -> bool:
+  """Whether every `{` has its `}` (escaped braces `\\{`, `\\}` are literal and skipped)."""
+  depth = 0
+  for i, ch in enumerate(text):
+    if ch in "{}" and i and text[i - 1] == "\\":
+      continue
+    depth += 1 if ch == "{" else -1 if ch == "}" else 0
+    if depth < 0:
+      return False
+  return depth == 0
+
+
 @functools.lru_cache(maxsize=65536)
 def _gold_from_string(raw: str) -> Gold:
   if not raw:
-    raise ValueError("gold answer: empty")
+    raise UserError("gold answer: empty")
+  if not _braces_balance(raw):
+    raise UserError(f"gold answer: unbalanced braces ({raw[:40]!r})")
   text = prepare(raw)
   norm = light_normalise(text)
   return Gold(raw=raw, text=text, norm=norm, number=_as_number(norm))
@@ -392,7 +408,7 @@ def _resolve_checker(spec: str) -> Callable[[str, str], bool]:
     return verify_prepared
   module, _, qualname = spec.partition(":")
   if not module or not qualname:
-    raise ValueError(f"checker: expected 'math_verify' or 'module:function', got {spec!r}")
+    raise UserError(f"checker: expected 'math_verify' or 'module:function', got {spec!r}")
   return _import_callable(module, qualname)
 
 
@@ -411,9 +427,9 @@ def resolve_reward_function(spec: str) -> Callable[[list[str], list[str]], Seque
   try:
     fn = _import_callable(module, qualname)
   except (ImportError, AttributeError) as e:
-    raise ValueError(f"reward.function: cannot import {spec!r} ({type(e).__name__}: {e})") from None
+    raise UserError(f"reward.function: cannot import {spec!r} ({type(e).__name__}: {e})") from None
   if not callable(fn):
-    raise ValueError(f"reward.function: {spec!r} is not callable")
+    raise UserError(f"reward.function: {spec!r} is not callable")
   return fn
 
 
@@ -466,7 +482,7 @@ def _checker_spec(checker: str | Callable | None) -> str:
     return checker
   name = f"{checker.__module__}:{checker.__qualname__}"
   if "<" in name or checker.__module__ == "__main__":
-    raise ValueError(f"checker: {name} is not importable by name in a worker; use a "
+    raise UserError(f"checker: {name} is not importable by name in a worker; use a "
                      "module-level function of an importable module")
   return name
 

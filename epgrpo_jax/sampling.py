@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
+from epgrpo_jax.errors import UserError
 from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, merge_lora, rope_table
-from epgrpo_jax.models import _cpu_kernels
+from epgrpo_jax.models import cpu_kernels as _cpu_kernels
 
 logger = logging.getLogger("epgrpo_jax.sampling")
 
@@ -75,25 +76,25 @@ class SamplingConfig:
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
-      raise ValueError(f"sampling.temperature: must be >= 0, got {self.temperature}")
+      raise UserError(f"sampling.temperature: must be >= 0, got {self.temperature}")
     if self.top_k < 0:
-      raise ValueError(f"sampling.top_k: must be >= 0 (0 = off), got {self.top_k}")
+      raise UserError(f"sampling.top_k: must be >= 0 (0 = off), got {self.top_k}")
     if not 0 < self.top_p <= 1:
-      raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
+      raise UserError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
     if self.max_new_tokens < 1:
-      raise ValueError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+      raise UserError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
     for name in ("prompt_buckets", "length_buckets"):
       buckets = tuple(getattr(self, name))
       object.__setattr__(self, name, buckets)
       if not buckets or any(int(b) != b or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-        raise ValueError(f"sampling.{name}: must be increasing positive integers, got {buckets}")
+        raise UserError(f"sampling.{name}: must be increasing positive integers, got {buckets}")
     if self.decode_segments < 1:
-      raise ValueError(f"sampling.decode_segments: must be >= 1, got {self.decode_segments}")
+      raise UserError(f"sampling.decode_segments: must be >= 1, got {self.decode_segments}")
     if self.cache_dtype is not None:
       try:
         as_dtype(self.cache_dtype)
       except ValueError as e:
-        raise ValueError(f"sampling.cache_dtype: {e}") from None
+        raise UserError(f"sampling.cache_dtype: {e}") from None
 
   @property
   def is_greedy(self) -> bool:

@@ -15,10 +15,9 @@ Shape suffixes: B batch rows, T tokens, D hidden, V vocabulary, N flat tokens.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from epgrpo_jax import cli
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.metrics import Progress
-from epgrpo_jax.models import LORA, LoraConfig, Qwen2, from_pretrained, save_pretrained
+from epgrpo_jax.rows import read_rows
+from epgrpo_jax.models import (LORA, LoraConfig, Qwen2, from_pretrained, load_tokenizer,
+                               save_pretrained)
 
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -69,17 +72,17 @@ class SFTConfig:
   def __post_init__(self):
     for name in ("steps", "batch_size", "max_length", "loss_chunk_tokens", "log_every"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        raise UserError(f"{name}: must be > 0, got {getattr(self, name)}")
     if not self.lr > 0:
-      raise ValueError(f"lr: must be > 0, got {self.lr}")
+      raise UserError(f"lr: must be > 0, got {self.lr}")
     if not 0 <= self.warmup_ratio < 1:
-      raise ValueError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
+      raise UserError(f"warmup_ratio: must be in [0, 1), got {self.warmup_ratio}")
     if self.schedule not in SCHEDULES:
-      raise ValueError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+      raise UserError(f"schedule: must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
     if "{problem}" not in self.prompt_template:
-      raise ValueError("prompt_template: must contain {problem}")
+      raise UserError("prompt_template: must contain {problem}")
     if self.lora_rank < 0:
-      raise ValueError(f"lora_rank: must be >= 0, got {self.lora_rank}")
+      raise UserError(f"lora_rank: must be >= 0, got {self.lora_rank}")
     object.__setattr__(self, "buckets", tuple(sorted(self.buckets)))
 
   def bucket_lengths(self) -> tuple[int, ...]:
@@ -103,21 +106,6 @@ class SFTResult:
 
 # ----------------------------------------------------------------------------- data
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-  path = Path(path)
-  if not path.exists():
-    raise FileNotFoundError(f"{path}: no such file")
-  rows = []
-  with open(path) as f:
-    for i, line in enumerate(f):
-      if line.strip():
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{i + 1}: invalid JSON ({e})") from None
-  return rows
-
-
 def render_prompt(tokenizer, problem: str, template: str = "{problem}") -> str:
   """The chat-rendered prompt (generation prompt added) of one problem."""
   content = template.replace("{problem}", problem)
@@ -131,7 +119,7 @@ def encode_rows(tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
   skipped = {} if skipped is None else skipped
   eos = tokenizer.eos_token_id
   if eos is None:
-    raise ValueError("tokenizer: no eos_token; SFT needs one to end completions")
+    raise UserError("tokenizer: no eos_token; SFT needs one to end completions")
   usable = []
   for row in rows:
     prompt, completion = row.get(cfg.prompt_field), row.get(cfg.completion_field)
@@ -160,7 +148,7 @@ def batches(examples: Sequence[tuple[np.ndarray, int]], batch_size: int,
   remainder moves up to the next bucket, the last one's wraps around.
   """
   if not examples:
-    raise ValueError("no training examples")
+    raise UserError("no training examples")
   buckets = sorted(buckets)
   by_bucket: dict[int, list[int]] = {b: [] for b in buckets}
   for i, (ids, _) in enumerate(examples):
@@ -269,13 +257,14 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, chunk: int):
 
 # ----------------------------------------------------------------------------- training
 
-def train(model: Qwen2, tokenizer, rows: Sequence[dict[str, Any]],
-          cfg: SFTConfig) -> SFTResult:
-  """Fine-tunes `model` in place on `rows`; returns it with the loss history."""
-  skipped: dict[str, int] = {}
+def train(model: Qwen2, tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
+          skipped_lines: dict[str, int] | None = None) -> SFTResult:
+  """Fine-tunes `model` in place on `rows`; returns it with the loss history. `skipped_lines`:
+  lines the reader already skipped (counted with the rows skipped here)."""
+  skipped: dict[str, int] = dict(skipped_lines or {})
   examples = encode_rows(tokenizer, rows, cfg, skipped)
   if not examples:
-    raise ValueError(f"{cfg.data}: no usable rows (skipped: {skipped})")
+    raise UserError(f"{cfg.data}: no usable rows (skipped: {skipped})")
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   trainable = LORA if cfg.lora_rank else nnx.Param
   graphdef, params, rest = nnx.split(model, trainable, ...)
@@ -316,12 +305,12 @@ def train(model: Qwen2, tokenizer, rows: Sequence[dict[str, Any]],
 
 def sft(cfg: SFTConfig) -> SFTResult:
   """Loads `cfg.model`, fine-tunes it on `cfg.data`, saves to `cfg.out` (tokenizer copied)."""
-  from transformers import AutoTokenizer
-
-  tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+  tokenizer = load_tokenizer(cfg.model)
+  lines = collections.Counter()
+  rows = read_rows(cfg.data, lines)
   lora = LoraConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha) if cfg.lora_rank else None
   model = from_pretrained(cfg.model, lora=lora, seed=cfg.seed)
-  result = train(model, tokenizer, read_rows(cfg.data), cfg)
+  result = train(model, tokenizer, rows, cfg, skipped_lines=lines)
   if cfg.out is not None:
     result.path = save_pretrained(result.model, cfg.out, tokenizer_dir=cfg.model)
     if cfg.verbose:
@@ -331,17 +320,9 @@ def sft(cfg: SFTConfig) -> SFTResult:
 
 # ----------------------------------------------------------------------------- CLI
 
-class _Parser(argparse.ArgumentParser):
-  """argparse that reports a usage error in one line and exits 2."""
-
-  def error(self, message: str):
-    sys.stderr.write(f"{self.prog}: error: {message}\n")
-    sys.exit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
   d = SFTConfig(model="", data="")
-  p = _Parser(prog="python -m epgrpo_jax.sft", description=__doc__.splitlines()[0])
+  p = cli.ArgumentParser(prog="python -m epgrpo_jax.sft", description=__doc__.splitlines()[0])
   p.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
   p.add_argument("--data", required=True, help="JSONL file with prompt and completion fields")
   p.add_argument("--out", required=True, help="output HF directory")
@@ -363,9 +344,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = _parser()
-  args = parser.parse_args(argv)
-  try:
+  args = _parser().parse_args(argv)
+  cli.setup_logging()
+
+  def run() -> int:
     cfg = SFTConfig(model=args.model, data=args.data, out=args.out, steps=args.steps, lr=args.lr,
                     batch_size=args.batch_size, seed=args.seed, warmup_ratio=args.warmup_ratio,
                     schedule=args.schedule, weight_decay=args.weight_decay,
@@ -373,15 +355,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                     completion_field=args.completion_field,
                     prompt_template=args.prompt_template, lora_rank=args.lora_rank,
                     log_every=args.log_every)
-  except ValueError as e:
-    parser.error(str(e))
-  for name, path in (("--model", Path(args.model)), ("--data", Path(args.data))):
-    if not path.exists():
-      parser.error(f"{name}: {path} does not exist")
-  if not (Path(args.model) / "config.json").exists():
-    parser.error(f"--model: {args.model} has no config.json (not an HF model directory)")
-  sft(cfg)
-  return 0
+    check_paths(cfg)
+    sft(cfg)
+    return 0
+
+  return cli.run_main(run)
+
+
+def check_paths(cfg: SFTConfig) -> None:
+  """Inputs exist; the output is a directory of its own, never the input model or data."""
+  model, data, out = Path(cfg.model), Path(cfg.data), Path(cfg.out)
+  if not model.exists():
+    raise MissingFileError(f"--model: {model} does not exist")
+  if not model.is_dir():
+    raise UserError(f"--model: {model} is not a directory")
+  if not (model / "config.json").is_file():
+    raise UserError(f"--model: {model} has no config.json (not an HF model directory)")
+  if not data.is_file():
+    raise MissingFileError(f"--data: {data} does not exist")
+  if out.exists() and not out.is_dir():
+    raise UserError(f"--out: {out} exists and is not a directory")
+  if out.resolve() == model.resolve():
+    raise UserError(f"--out: {out} is the input model (--model); write the result elsewhere")
+  if out.resolve() in data.resolve().parents:
+    raise UserError(f"--out: {out} holds the training data (--data); write the result elsewhere")
 
 
 if __name__ == "__main__":

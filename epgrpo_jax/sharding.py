@@ -17,6 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from epgrpo_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes.
@@ -71,20 +73,20 @@ class MeshConfig:
     sizes = (self.data, self.fsdp, self.tensor)
     for name, size in zip(MESH_AXES, sizes):
       if size == 0 or size < -1:
-        raise ValueError(f"mesh.{name}: must be a positive size or -1, got {size}")
+        raise UserError(f"mesh.{name}: must be a positive size or -1, got {size}")
     if sizes.count(-1) > 1:
-      raise ValueError("mesh: at most one axis may be -1")
+      raise UserError("mesh: at most one axis may be -1")
 
   def shape(self, num_devices: int) -> tuple[int, int, int]:
     sizes = [self.data, self.fsdp, self.tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if num_devices % known:
-        raise ValueError(f"mesh: fixed axes ({known} devices) do not divide the "
+        raise UserError(f"mesh: fixed axes ({known} devices) do not divide the "
                          f"{num_devices} devices")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise ValueError(f"mesh: data*fsdp*tensor = {math.prod(sizes)} but there are "
+      raise UserError(f"mesh: data*fsdp*tensor = {math.prod(sizes)} but there are "
                        f"{num_devices} devices")
     return tuple(sizes)
 
@@ -185,7 +187,7 @@ def check_batch(mesh: Mesh, rows: int, what: str) -> None:
   """Raises a config error unless data x fsdp divides the `rows` of a per-token batch."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   if rows % shards:
-    raise ValueError(f"{what} = {rows} sequences is not divisible by mesh.data x mesh.fsdp = "
+    raise UserError(f"{what} = {rows} sequences is not divisible by mesh.data x mesh.fsdp = "
                      f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {shards} batch shards")
 
 

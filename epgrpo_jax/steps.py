@@ -19,6 +19,7 @@ from flax import nnx, struct
 
 from epgrpo_jax import losses, sharding
 from epgrpo_jax.distributed import place
+from epgrpo_jax.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint
 
 
@@ -56,7 +57,7 @@ class Policy:
       reference = jax.tree.map(jnp.copy, trainable)
     else:
       if model.lora is None:
-        raise ValueError("lora: the model has no adapters; set model.full_finetune=true or "
+        raise UserError("lora: the model has no adapters; set model.full_finetune=true or "
                          "configure lora")
       graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
       reference = None

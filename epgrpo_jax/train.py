@@ -7,7 +7,6 @@ synthetic arithmetic task, then EP-GRPO), offline, on CPU.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from epgrpo_jax import cli

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import signal
 import time
@@ -23,10 +22,12 @@ import numpy as np
 from flax import nnx
 
 from epgrpo_jax import advantages, configlib, data, distributed, evaluate, sharding, steps
+from epgrpo_jax.atomic import write_text_atomic
 from epgrpo_jax.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.config import EMBEDDED, TrainConfig
+from epgrpo_jax.errors import RunError, UserError
 from epgrpo_jax.metrics import MetricsWriter, Progress
-from epgrpo_jax.models import (from_pretrained, load_config, load_tokenizer, save_pretrained,
+from epgrpo_jax.models import (check_vocab, from_pretrained, load_config, load_tokenizer, save_pretrained,
                                stop_token_ids)
 from epgrpo_jax.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, parse_gold
@@ -36,7 +37,7 @@ from epgrpo_jax.steps import Policy, Rollout, StepFunctions, StepShardings, Upda
 log = logging.getLogger("epgrpo_jax.trainer")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RunError):
   """The run cannot continue (e.g. too many non-finite updates in a row)."""
 
 
@@ -132,17 +133,18 @@ class Trainer:
                            "(train.mini_batches x train.grad_accumulation)")
     check_writable(self.out_dir)
     if t.prompts_per_step % jax.process_count():
-      raise ValueError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
+      raise UserError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                        f"{jax.process_count()} processes")
     model_cfg = load_config(model_dir)
     self.tokenizer = load_tokenizer(model_dir)
+    check_vocab(self.tokenizer, model_cfg, model_dir)
     self.renderer = data.PromptRenderer(self.tokenizer, cfg.data)
     self.train_examples, self.skips = data.load_examples(cfg.data.train_files, self.renderer,
-                                                         cfg.data, answer_ok=_answer_parses)
+                                                         cfg.data, answer_ok=answer_parses)
     self.heldout: list[data.Example] = []
     if cfg.data.heldout_file:
       self.heldout, heldout_skips = data.load_examples([cfg.data.heldout_file], self.renderer,
-                                                       cfg.data, answer_ok=_answer_parses)
+                                                       cfg.data, answer_ok=answer_parses)
       if cfg.data.heldout_limit:
         self.heldout = self.heldout[:cfg.data.heldout_limit]
       self.skips.update({f"heldout_{k}": v for k, v in heldout_skips.items()})
@@ -152,12 +154,12 @@ class Trainer:
 
     longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
     if longest + cfg.sampling.max_new_tokens > model_cfg.max_position_embeddings:
-      raise ValueError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
+      raise UserError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
                        f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
                        f"{model_cfg.max_position_embeddings} tokens")
     self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
     if not self.eos_ids:
-      raise ValueError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
+      raise UserError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
                        f"and config.json no eos_token_id; completions could never end")
 
     lora = None if cfg.model.full_finetune else cfg.lora
@@ -205,15 +207,34 @@ class Trainer:
                                         self.shardings.replicated))
 
   def restore_or_init(self) -> RunState:
+    """The newest checkpoint that restores, else a fresh state. Newer checkpoints that fail to
+    restore (damaged) are renamed `<step>.damaged`, never deleted; if none restores, the
+    checkpoints do not fit this config and the run stops with a one-line error."""
     state = self.initial_state()
-    latest = self.checkpointer.latest_step() if self.cfg.checkpoint.resume else None
-    if latest is None:
+    steps = committed_steps(self.checkpointer.directory) if self.cfg.checkpoint.resume else []
+    failed: list[tuple[int, str]] = []
+    for step in reversed(steps):
+      try:
+        tree, meta = self.checkpointer.restore(step, state.tree(), self.data_iter)
+      except Exception as e:  # Orbax and Grain raise many types for a damaged checkpoint
+        failed.append((step, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"))
+        log.warning("checkpoint of step %d cannot be restored (%s)", step, failed[-1][1])
+        continue
+      if failed:
+        self.checkpointer.set_aside([s for s, _ in failed], "damaged")
+        log.warning("resumed from step %d; the newer checkpoint(s) of step %s could not be "
+                    "restored and were renamed *.damaged in %s", step,
+                    ", ".join(str(s) for s, _ in failed), self.checkpointer.directory)
+      state = RunState(trainable=tree["trainable"], opt_state=tree["opt_state"],
+                       key=jax.random.wrap_key_data(tree["key"]), **meta)
+      if self.is_main:
+        log.info("resumed from %s at step %d", self.checkpointer.directory, state.step)
       return state
-    tree, meta = self.checkpointer.restore(latest, state.tree(), self.data_iter)
-    state = RunState(trainable=tree["trainable"], opt_state=tree["opt_state"],
-                     key=jax.random.wrap_key_data(tree["key"]), **meta)
-    if self.is_main:
-      log.info("resumed from %s at step %d", self.checkpointer.directory, state.step)
+    if failed:
+      raise UserError(
+          f"checkpoint.resume: no checkpoint in {self.checkpointer.directory} restores into this "
+          f"config (step {failed[0][0]}: {failed[0][1]}); was model, lora or full_finetune "
+          f"changed? Restore the config of the run, or choose another train.output_dir")
     return state
 
   def save(self, state: RunState) -> None:
@@ -325,9 +346,10 @@ class Trainer:
   # -- helpers ----------------------------------------------------------------------------
 
   def gold(self, example: data.Example):
-    if example.id not in self.golds:
-      self.golds[example.id] = parse_gold(example.answer)
-    return self.golds[example.id]
+    """The parsed gold answer, cached by the answer text itself: ids may repeat across files."""
+    if example.answer not in self.golds:
+      self.golds[example.answer] = parse_gold(example.answer)
+    return self.golds[example.answer]
 
   def decode(self, tokens_BxN: np.ndarray, mask_BxN: np.ndarray) -> list[str]:
     seqs = [row[m].tolist() for row, m in zip(tokens_BxN, mask_BxN)]
@@ -364,13 +386,20 @@ class Trainer:
 def preflight(cfg: TrainConfig) -> None:
   """Checks against this machine what the config cannot check alone, before heavy work."""
   cfg.mesh.shape(jax.device_count())
-  check_writable(Path(cfg.train.output_dir))
+  out = Path(cfg.train.output_dir).resolve()
+  if cfg.model.path != EMBEDDED:
+    model = Path(cfg.model.path).resolve()
+    if model == out or out in model.parents:
+      raise UserError(f"model.path: {cfg.model.path} lies inside train.output_dir "
+                      f"({cfg.train.output_dir}), where the run writes its checkpoints and "
+                      f"exports policy/; copy the model elsewhere or choose another output_dir")
+  check_writable(out)
   ckpt_dir = Path(cfg.train.output_dir) / "checkpoints"
   if not cfg.checkpoint.resume and (found := committed_steps(ckpt_dir)):
-    raise ValueError(f"checkpoint.resume: false, but {ckpt_dir} holds checkpoints (latest step "
+    raise UserError(f"checkpoint.resume: false, but {ckpt_dir} holds checkpoints (latest step "
                      f"{found[-1]}); remove them or choose another train.output_dir")
   if cfg.train.prompts_per_step % jax.process_count():
-    raise ValueError(f"train.prompts_per_step: {cfg.train.prompts_per_step} is not divisible by "
+    raise UserError(f"train.prompts_per_step: {cfg.train.prompts_per_step} is not divisible by "
                      f"the {jax.process_count()} processes")
 
 
@@ -382,10 +411,10 @@ def check_writable(directory: Path) -> None:
     probe.write_text("")
     probe.unlink()
   except OSError as e:
-    raise ValueError(f"train.output_dir: not writable: {directory} ({e.strerror})") from None
+    raise UserError(f"train.output_dir: not writable: {directory} ({e.strerror})") from None
 
 
-def _answer_parses(answer: str) -> bool:
+def answer_parses(answer: str) -> bool:
   try:
     parse_gold(answer)
     return True
@@ -500,12 +529,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
   cfg = resolve_embedded(cfg, progress=cfg.logging.progress)
   trainer = Trainer(cfg)
   t = cfg.train
-  if trainer.is_main:
-    import yaml
-    (trainer.out_dir / "config.yaml").write_text(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
   summary: dict[str, Any] = {"output_dir": str(trainer.out_dir)}
   try:
     state = trainer.restore_or_init()
+    if trainer.is_main:  # only once the resume worked: the file must describe the checkpoints
+      import yaml
+      write_text_atomic(trainer.out_dir / "config.yaml",
+                        yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
     trainer.writer.write(state.step, {f"data/skipped_{k}": v for k, v in trainer.skips.items()}
                          | {"data/train_problems": len(trainer.train_examples),
                             "data/heldout_problems": len(trainer.heldout)})
@@ -531,7 +561,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               f"{state.consecutive_skips} consecutive non-finite updates at step {state.step}; "
               f"saved the last good state to {trainer.checkpointer.directory}")
         if cfg.logging.samples_every and state.step % cfg.logging.samples_every == 0:
-          trainer.writer.append_jsonl("samples.jsonl", _sample_records(
+          trainer.writer.append_jsonl("samples.jsonl", sample_records(
               state.step, distributed.to_host(record), cfg.logging.samples_count))
         if cfg.eval.every and state.step % cfg.eval.every == 0 and trainer.heldout:
           trainer.writer.write(state.step, trainer.evaluate(state.trainable, eval_key),
@@ -571,7 +601,7 @@ def _say(trainer: Trainer, line: str) -> None:
     print(line, flush=True)
 
 
-def _sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[dict]:
+def sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[dict]:
   """One JSON record per group for the first `count` groups of a step (samples.jsonl).
 
   Each response has its text, reward and, per token (lists of rounded floats):

@@ -16,7 +16,9 @@ os.environ.setdefault("EPGRPO_COMPILATION_CACHE", _CACHE)
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Property tests take their example count from the profile only (no test pins its own).
+settings.register_profile("ci", deadline=None, max_examples=500,
+                          suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", deadline=None, max_examples=50,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

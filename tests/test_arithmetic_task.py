@@ -1,7 +1,6 @@
 """The embedded arithmetic task: generator, splits, tokenizer, cached assets, evaluation."""
 
 import json
-import os
 import re
 import subprocess
 import sys

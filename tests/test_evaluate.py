@@ -70,7 +70,7 @@ def _golds() -> dict[str, object]:
 def test_scoring_layer_on_hand_made_completions():
   """Known completions of real problems -> exact Acc, Fmt, pass@k, records and table."""
   problems = _golds()
-  amc, aime, minerva = problems["amc23"], problems["aime24"], problems["minerva"]
+  amc, aime = problems["amc23"], problems["aime24"]
   assert amc.answer == "27"  # a JSON float in the file
   right = lambda p: f"So the answer is $\\boxed{{{p.answer}}}$."
   wrong = "So the answer is $\\boxed{123456}$."

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from epgrpo_jax import data, train as train_cli
@@ -65,6 +64,17 @@ CONFIG_CASES = [
     (["train.steps"], "error: override 'train.steps': expected key=value, e.g. train.steps=100"),
     (["mesh.data=3"], "error: mesh: data*fsdp*tensor = 3 but there are 8 devices"),
     (["train.output_dir=/proc/epgrpo-run"], None),  # checked below: starts with the field name
+    (["optim.learning_rate=.nan"], "error: optim.learning_rate: must be a finite number, got nan"),
+    (["optim.learning_rate=.inf"], "error: optim.learning_rate: must be a finite number, got inf"),
+    (["optim.max_grad_norm=.nan"], "error: optim.max_grad_norm: must be a finite number, got nan"),
+    (["advantage.gamma=inf"], "error: advantage.gamma: must be a finite number, got 'inf'"),
+    (["loss.beta=-.inf"], "error: loss.beta: must be a finite number, got -inf"),
+    (["train.output_dir="], "error: train.output_dir: empty (an unset shell variable?); name a "
+                            "directory"),
+    (["train.seed=-1"], "error: train.seed: must be in [0, 2**32), got -1"),
+    (["train.seed=4294967296"], "error: train.seed: must be in [0, 2**32), got 4294967296"),
+    (["train.steps=99999999999999999999"], "error: train.steps: out of the 64-bit integer range, "
+                                           "got 99999999999999999999"),
 ]
 
 
@@ -187,6 +197,27 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
                          "prompt_too_long": 1, "unparsable_answer": 1}
 
 
+def test_rows_that_are_not_text_or_not_parsable_are_skipped_with_the_real_checks(tmp_path):
+  from epgrpo_jax.trainer import answer_parses
+  path = tmp_path / "rows.jsonl"
+  lines = [
+      json.dumps({"problem": "What is 1+1?", "answer": "2"}),
+      json.dumps({"problem": "a list answer", "answer": [1, 2]}),
+      json.dumps({"problem": {"text": "an object problem"}, "answer": "3"}),
+      json.dumps({"problem": "a bool answer", "answer": True}),
+      json.dumps({"problem": "unparsable gold", "answer": "\\frac{"}),
+      json.dumps({"problem": "unclosed box", "answer": "\\boxed{3"}),
+      json.dumps({"problem": "What is half?", "answer": "\\frac{1}{2}"}),
+  ]
+  # A UTF-8 byte-order mark before the first row is not part of it.
+  path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+  cfg = data.DataConfig(prompt_template="{problem}")
+  examples, skips = data.load_examples([path], data.PromptRenderer(_Tok(), cfg), cfg,
+                                       answer_ok=answer_parses)
+  assert [e.answer for e in examples] == ["2", "\\frac{1}{2}"]
+  assert dict(skips) == {"answer_not_text": 2, "problem_not_text": 1, "unparsable_answer": 2}
+
+
 def _raising_checker(answer: str, gold: str) -> bool:
   raise RuntimeError("checker bug")
 
@@ -208,3 +239,16 @@ def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
   debug = subprocess.run([sys.executable, "-m", "epgrpo_jax.train", "--debug", "train.steps=-5"],
                          cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
   assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_a_bug_inside_a_step_keeps_its_traceback(capsys, task, tmp_path, monkeypatch):
+  # A ValueError from inside the step is a bug, not bad input: `main` lets it propagate (the
+  # interpreter then prints the traceback and exits 1), where it used to become exit 2.
+  from epgrpo_jax import trainer as trainer_mod
+
+  def broken_step(self, *args, **kwargs):
+    raise ValueError("operands could not be broadcast together")
+
+  monkeypatch.setattr(trainer_mod.Trainer, "step", broken_step)
+  with pytest.raises(ValueError, match="could not be broadcast"):
+    train_cli.main(_run_args(task, tmp_path, "train.steps=2", "eval.every=0"))

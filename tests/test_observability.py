@@ -6,7 +6,6 @@ import html.parser
 import io
 import json
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -313,7 +312,7 @@ def test_sample_records_hold_every_per_token_quantity():
   import jax.numpy as jnp
 
   from epgrpo_jax import advantages, data, rewards, steps
-  from epgrpo_jax.trainer import _sample_records
+  from epgrpo_jax.trainer import sample_records
 
   rng = np.random.default_rng(0)
   P, G, T = 3, 4, 6
@@ -335,7 +334,7 @@ def test_sample_records_hold_every_per_token_quantity():
   record = {"examples": examples, "texts": [f"t{i}" for i in range(P * G)], "rewards": result,
             "rollout": rollout, "advantage": adv, "components": comps,
             "entropy": jnp.asarray(ent.reshape(P * G, T))}
-  groups = _sample_records(7, record, 2)
+  groups = sample_records(7, record, 2)
   assert [g["group"] for g in groups] == [0, 1] and groups[1]["zero_variance"]
   json.dumps(groups)  # serialisable
   for p, g in enumerate(groups):
@@ -433,3 +432,15 @@ def test_heatmap_fresh_sample_from_checkpoint(smoke_run, tmp_path):
   parsed = parse_page(out.read_text(encoding="utf-8"))
   assert parsed.token_spans > 0 and "checkpoint step 2" in out.read_text(encoding="utf-8")
   assert sorted(p.name for p in smoke_run.rglob("*")) == before  # the run is left alone
+
+
+def test_a_resumed_writer_starts_after_a_truncated_last_line(tmp_path):
+  # A run killed mid-write leaves half a line; the resumed run's first record must not be glued
+  # onto it (both would be lost).
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+  w = MetricsWriter(tmp_path, tensorboard=False)
+  w.write(2, {"reward": 0.75})
+  w.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert lines == ['{"step": 1, "reward": 0.5}', '{"step": 2, "rew', '{"step": 2, "reward": 0.75}']
+  assert [r["reward"] for r in read_metrics(tmp_path)] == [0.5, 0.75]

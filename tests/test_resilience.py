@@ -400,3 +400,49 @@ def test_resume_false_on_a_directory_with_checkpoints_is_an_error(tmp_path, caps
   assert code == 2 and "Traceback" not in "\n".join(err)
   assert err[-1] == (f"error: checkpoint.resume: false, but {run_dir / 'checkpoints'} holds "
                      "checkpoints (latest step 4); remove them or choose another train.output_dir")
+
+
+def _hashes(directory: Path) -> dict[str, bytes]:
+  return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+          if p.is_file()}
+
+
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_before_it(task, tmp_path,
+                                                                               capsys):
+  run_dir = tmp_path / "run"
+  ckpt = run_dir / "checkpoints"
+  assert train_cli.main(overrides(task, run_dir, "train.steps=3")) == 0
+  assert committed_steps(ckpt) == [1, 2, 3]
+  for f in (ckpt / "3").rglob("*"):  # damage step 3: every file of it cut to nothing
+    if f.is_file():
+      f.write_bytes(b"")
+  damaged = _hashes(ckpt / "3")
+  capsys.readouterr()
+
+  # A config that does not fit any checkpoint: one line, exit 2, and the run directory as it was.
+  before = _hashes(run_dir)
+  code = train_cli.main(overrides(task, run_dir, "train.steps=4", "lora.rank=4"))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and "Traceback" not in "\n".join(err), err[-5:]
+  assert err[-1].startswith(f"error: checkpoint.resume: no checkpoint in {ckpt} restores into "
+                            "this config (step 3: "), err[-1]
+  assert _hashes(run_dir) == before
+
+  # The same config: step 3 is renamed, never deleted, and the run goes on from step 2.
+  assert train_cli.main(overrides(task, run_dir, "train.steps=4")) == 0
+  err = capsys.readouterr().err
+  assert "resumed from step 2; the newer checkpoint(s) of step 3 could not be restored" in err
+  assert _hashes(ckpt / "3.damaged") == damaged
+  assert committed_steps(ckpt) == [1, 2, 3, 4]
+
+
+def test_model_path_inside_the_output_dir_is_refused(task, tmp_path, capsys):
+  assets, _ = task
+  run_dir = tmp_path / "run"
+  shutil.copytree(assets.model_dir, run_dir / "policy")
+  before = _hashes(run_dir)
+  code = train_cli.main(overrides(task, run_dir, f"model.path={run_dir / 'policy'}"))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and err[-1].startswith(f"error: model.path: {run_dir / 'policy'} lies inside "
+                                          f"train.output_dir ({run_dir})"), err[-1]
+  assert _hashes(run_dir) == before

@@ -1,6 +1,8 @@
 """Supervised fine-tuning: data encoding, bucketing, a short run, saving, the CLI."""
 
+import collections
 import json
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from epgrpo_jax import sft as S
+from epgrpo_jax.rows import read_rows
 from epgrpo_jax.tasks import arithmetic as A
 
 
@@ -119,11 +122,14 @@ def test_lora_trains_adapters_only(assets, tokenizer):
     (["--model", "M", "--data", "D", "--out", "O", "--steps", "0"], "steps: must be > 0"),
     (["--model", "M", "--data", "D", "--out", "O", "--schedule", "cubic"], "invalid choice"),
     (["--model", "/nonexistent", "--data", "D", "--out", "O"], "--model: /nonexistent does not exist"),
+    (["--model", "/", "--data", "D", "--out", "O"], "--model: / has no config.json"),
 ])
 def test_cli_usage_errors_exit_2_one_line(argv, needle, capsys):
-  with pytest.raises(SystemExit) as exc:
-    S.main(argv)
-  assert exc.value.code == 2
+  try:  # argparse's own errors exit; the others are returned as the exit code
+    code = S.main(argv)
+  except SystemExit as exc:
+    code = exc.code
+  assert code == 2
   err = capsys.readouterr().err
   assert len(err.strip().splitlines()) == 1 and needle in err
 
@@ -149,3 +155,25 @@ def test_cli_end_to_end(assets, tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "[sft] step 3/3 loss" in proc.stdout
   assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_out_never_overwrites_the_inputs(assets, tmp_path, capsys):
+  model = tmp_path / "model"
+  shutil.copytree(assets.model_dir, model)
+  before = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
+  data = tmp_path / "data.jsonl"
+  shutil.copyfile(assets.train_file, data)
+  for out, needle in ((model, "is the input model"), (tmp_path, "holds the training data"),
+                      (data, "exists and is not a directory")):
+    code = S.main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+  assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before
+
+
+def test_a_bad_data_line_is_a_counted_skip(assets, tmp_path):
+  data = tmp_path / "data.jsonl"
+  data.write_bytes(b"\xef\xbb\xbf" + assets.train_file.read_bytes() + b'{"broken": \n')
+  counts = collections.Counter()
+  rows = read_rows(data, counts)
+  assert counts == {"bad_json": 1} and len(rows) == len(assets.train_rows())

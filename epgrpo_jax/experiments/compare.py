@@ -31,7 +31,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -42,6 +41,7 @@ import numpy as np
 import yaml
 
 from epgrpo_jax import cli, configlib
+from epgrpo_jax.atomic import write_text_atomic
 from epgrpo_jax.advantages import VARIANTS as ADVANTAGE_VARIANTS
 from epgrpo_jax.config import CONFIG_DIR, TrainConfig
 
@@ -185,9 +185,7 @@ def run_statistics(records: Sequence[dict]) -> dict[str, Any]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-  tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-  os.replace(tmp, path)
+  write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 # ----------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from epgrpo_jax import cli
+from epgrpo_jax.errors import UserError
 
 CONDITIONS = ("high", "low", "random")
 PAPER_RATIO = 3.5  # Fig 2(a): drop(high) / drop(low) on Qwen2.5 and MATH
@@ -106,7 +107,7 @@ def candidate_tokens(tokenizer, vocab_rows: int) -> np.ndarray:
   special = set(getattr(tokenizer, "all_special_ids", []) or [])
   ids = np.array([i for i in range(size) if i not in special], np.int64)
   if len(ids) < 2:
-    raise ValueError("the vocabulary has fewer than 2 ordinary tokens")
+    raise UserError("the vocabulary has fewer than 2 ordinary tokens")
   return ids
 
 
@@ -274,7 +275,7 @@ def _config(args: argparse.Namespace, model_dir: Path):
   if not cfg.data.heldout_file:
     cfg = resolve_embedded(cfg, progress=False)
   if not cfg.data.heldout_file:
-    raise ValueError("data.heldout_file: the config names no held-out set")
+    raise UserError("data.heldout_file: the config names no held-out set")
   return cfg
 
 
@@ -291,17 +292,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from epgrpo_jax.models import load_tokenizer, stop_token_ids
     from epgrpo_jax.rewards import RewardScorer, parse_gold
     from epgrpo_jax.sampling import Sampler, SamplingConfig
-    from epgrpo_jax.trainer import _answer_parses
+    from epgrpo_jax.trainer import answer_parses
 
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-      raise ValueError(f"--model: no config.json in {model_dir}")
+      raise UserError(f"--model: no config.json in {model_dir}")
     cfg = _config(args, model_dir)
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir)
     renderer = data.PromptRenderer(tokenizer, cfg.data)
     examples, _ = data.load_examples([cfg.data.heldout_file], renderer, cfg.data,
-                                     answer_ok=_answer_parses)
+                                     answer_ok=answer_parses)
     examples = examples[:args.problems]
     golds = [parse_gold(e.answer) for e in examples]
     eos = stop_token_ids(tokenizer, model.cfg)
@@ -321,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           sampler, model, examples, golds, tokenizer, scorer, samples=args.samples, key=sub,
           prompts_per_batch=args.prompts_per_batch, max_responses=args.max_responses)
       if not responses:
-        raise ValueError(f"no correct finished response among {counts['sampled']} samples; "
+        raise UserError(f"no correct finished response among {counts['sampled']} samples; "
                          f"the test needs correct responses to perturb")
       result = perturbation_test(
           sampler, model, examples, golds, tokenizer, scorer, responses,

@@ -6,5 +6,6 @@ from epgrpo_jax.models._qwen2 import (Cache, Qwen2, activation_constraint, atten
                                      init_cache, rope, rope_cos_sin, rope_table)
 from epgrpo_jax.models._hf_io import (HF_TO_NNX, TOKENIZER_FILES, from_pretrained, hf_state_dict,
                                       load_config, save_pretrained)
-from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, encode_prompts, load_tokenizer,
+from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, check_vocab, encode_prompts, load_tokenizer,
                                           render_prompt, stop_token_ids)
+from epgrpo_jax.models import _cpu_kernels as cpu_kernels  # CPU-only XLA FFI kernels (decode)

@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from epgrpo_jax.errors import UserError
+
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -14,7 +16,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 def as_dtype(name: str):
   """The jnp dtype for 'float32', 'bfloat16' or 'float16'."""
   if name not in _DTYPES:
-    raise ValueError(f"dtype: unsupported {name!r}; use one of {sorted(_DTYPES)}")
+    raise UserError(f"dtype: unsupported {name!r}; use one of {sorted(_DTYPES)}")
   return _DTYPES[name]
 
 
@@ -43,17 +45,17 @@ class ModelConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                  "num_heads", "num_kv_heads"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
+        raise UserError(f"model.{name}: must be > 0, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"model.num_heads: {self.num_heads} is not a multiple of "
+      raise UserError(f"model.num_heads: {self.num_heads} is not a multiple of "
                        f"num_kv_heads {self.num_kv_heads}")
     if self.head_dim == 0:
       if self.hidden_size % self.num_heads:
-        raise ValueError(f"model.hidden_size: {self.hidden_size} not divisible by "
+        raise UserError(f"model.hidden_size: {self.hidden_size} not divisible by "
                          f"num_heads {self.num_heads}")
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     if self.head_dim % 2:
-      raise ValueError(f"model.head_dim: must be even for rotary embeddings, got {self.head_dim}")
+      raise UserError(f"model.head_dim: must be even for rotary embeddings, got {self.head_dim}")
     as_dtype(self.dtype)
     as_dtype(self.param_dtype)
     if isinstance(self.eos_token_id, list):
@@ -72,18 +74,18 @@ class ModelConfig:
     """Builds a config from the dict of an HF `config.json`."""
     model_type = hf.get("model_type")
     if model_type not in ("qwen2", None):
-      raise ValueError(f"model_type: unsupported {model_type!r} (only 'qwen2')")
+      raise UserError(f"model_type: unsupported {model_type!r} (only 'qwen2')")
     if hf.get("use_sliding_window"):
-      raise ValueError("use_sliding_window: sliding-window attention is not supported")
+      raise UserError("use_sliding_window: sliding-window attention is not supported")
     if hf.get("rope_scaling"):
-      raise ValueError("rope_scaling: scaled rotary embeddings are not supported")
+      raise UserError("rope_scaling: scaled rotary embeddings are not supported")
     rope_params = hf.get("rope_parameters") or {}  # transformers >= 5 layout
     rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
     if rope_type != "default":
-      raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported (only 'default')")
+      raise UserError(f"rope_parameters.rope_type: {rope_type!r} is not supported (only 'default')")
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-      raise ValueError(f"hidden_act: unsupported {act!r} (only 'silu')")
+      raise UserError(f"hidden_act: unsupported {act!r} (only 'silu')")
     # transformers' Qwen2Config default is 10000 when neither key is present.
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
     try:
@@ -103,7 +105,7 @@ class ModelConfig:
           eos_token_id=hf.get("eos_token_id"),
       )
     except KeyError as e:
-      raise ValueError(f"config.json: missing key {e.args[0]!r}") from None
+      raise UserError(f"config.json: missing key {e.args[0]!r}") from None
     kw.update(overrides)
     return cls(**kw)
 
@@ -168,7 +170,7 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str, **overrides) -> ModelConfig:
   """A named config (`PRESETS`), with fields overridden (e.g. `num_layers=2`)."""
   if name not in PRESETS:
-    raise ValueError(f"model.preset: unknown {name!r}; known: {', '.join(sorted(PRESETS))}")
+    raise UserError(f"model.preset: unknown {name!r}; known: {', '.join(sorted(PRESETS))}")
   return PRESETS[name].replace(**overrides)
 
 
@@ -182,14 +184,14 @@ class LoraConfig:
 
   def __post_init__(self):
     if self.rank <= 0:
-      raise ValueError(f"lora.rank: must be > 0, got {self.rank}")
+      raise UserError(f"lora.rank: must be > 0, got {self.rank}")
     if self.alpha <= 0:
-      raise ValueError(f"lora.alpha: must be > 0, got {self.alpha}")
+      raise UserError(f"lora.alpha: must be > 0, got {self.alpha}")
     targets = tuple(self.targets)
     object.__setattr__(self, "targets", targets)
     bad = [t for t in targets if t not in LORA_TARGETS]
     if bad or not targets:
-      raise ValueError(f"lora.targets: unknown {bad or 'empty list'}; choose from {list(LORA_TARGETS)}")
+      raise UserError(f"lora.targets: unknown {bad or 'empty list'}; choose from {list(LORA_TARGETS)}")
 
   @property
   def scale(self) -> float:

@@ -8,6 +8,7 @@ target sharding; saving folds LoRA adapters into the base weights.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear
 from epgrpo_jax.models._qwen2 import Qwen2
@@ -72,29 +74,29 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     try:
       weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError) as e:
-      raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
+      raise UserError(f"{index}: not a valid safetensors index ({e})") from None
     return {name: directory / fname for name, fname in weight_map.items()}
   if single.exists():
     try:
       with safe_open(single, "numpy") as f:
         return {name: single for name in f.keys()}
     except Exception as e:  # safetensors raises its own error types
-      raise ValueError(f"{single}: unreadable safetensors file ({e})") from None
-  raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+      raise UserError(f"{single}: unreadable safetensors file ({e})") from None
+  raise MissingFileError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
 def load_config(directory: str | Path, **overrides) -> ModelConfig:
   path = Path(directory) / "config.json"
   if not path.exists():
-    raise FileNotFoundError(f"{path}: missing (not a Hugging Face model directory)")
+    raise MissingFileError(f"{path}: missing (not a Hugging Face model directory)")
   try:
     hf = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise ValueError(f"{path}: invalid JSON ({e})") from None
+    raise UserError(f"{path}: invalid JSON ({e})") from None
   try:
     return ModelConfig.from_hf(hf, **overrides)
   except ValueError as e:
-    raise ValueError(f"{path}: {e}") from None
+    raise UserError(f"{path}: {e}") from None
 
 
 def from_pretrained(directory: str | Path, *, dtype: str | None = None,
@@ -116,12 +118,12 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
   expected = nnx_to_hf(cfg)
   missing = [n for n in expected if n not in files]
   if missing:
-    raise ValueError(f"{directory}: tensor {missing[0]!r} missing from the checkpoint"
+    raise UserError(f"{directory}: tensor {missing[0]!r} missing from the checkpoint"
                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
   unknown = [n for n in files if n not in expected and not any(re.fullmatch(p, n) for p in _IGNORED)
              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
   if unknown:
-    raise ValueError(f"{files[unknown[0]]}: unexpected tensor {unknown[0]!r} for this config")
+    raise UserError(f"{files[unknown[0]]}: unexpected tensor {unknown[0]!r} for this config")
 
   flat = dict(nnx.to_flat_state(nnx.state(model)))
   by_path = {".".join(map(str, k)): (k, v) for k, v in flat.items()}
@@ -132,19 +134,19 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
       fname = files[name]
       if fname not in handles:
         if not fname.exists():
-          raise FileNotFoundError(f"{fname}: missing (listed in the safetensors index)")
+          raise MissingFileError(f"{fname}: missing (listed in the safetensors index)")
         try:
           handles[fname] = safe_open(fname, "numpy").__enter__()
         except Exception as e:
-          raise ValueError(f"{fname}: unreadable safetensors file ({e})") from None
+          raise UserError(f"{fname}: unreadable safetensors file ({e})") from None
       try:
         array = handles[fname].get_tensor(name)
       except Exception as e:
-        raise ValueError(f"{fname}: cannot read tensor {name!r} ({e})") from None
+        raise UserError(f"{fname}: cannot read tensor {name!r} ({e})") from None
       array = array.T if transpose else array
       _, var = by_path[path]
       if tuple(array.shape) != tuple(var.shape):
-        raise ValueError(f"{fname}: tensor {name!r} has shape {tuple(array.shape)}, "
+        raise UserError(f"{fname}: tensor {name!r} has shape {tuple(array.shape)}, "
                          f"config.json implies {tuple(var.shape)}")
       var.set_value(_place(np.asarray(array).astype(pdt), path, mesh, sharding))
   finally:
@@ -181,12 +183,28 @@ def _to_host(array) -> np.ndarray:
   return np.asarray(jax.device_get(array))
 
 
-def _remove_weight_files(directory: Path) -> None:
-  """Deletes earlier weights, so a stale index or single file cannot shadow the new ones."""
-  for path in [directory / "model.safetensors", directory / "model.safetensors.index.json",
-               *directory.glob("model-*-of-*.safetensors")]:
-    if path.is_file():
-      path.unlink()
+def _weight_files(directory: Path) -> list[Path]:
+  return [path for path in [directory / "model.safetensors", directory / "model.safetensors.index.json",
+                            *directory.glob("model-*-of-*.safetensors")] if path.is_file()]
+
+
+def _swap_in(new: Path, directory: Path) -> None:
+  """Replaces `directory` by the complete directory `new`. Earlier weights go (a stale index or
+  single file must not shadow the new ones); any other file of the old directory that `new`
+  lacks moves across, so nothing else in it is lost."""
+  if not directory.exists():
+    os.replace(new, directory)
+    return
+  if not directory.is_dir():
+    raise UserError(f"{directory}: exists and is not a directory; cannot write a model there")
+  stale = {path.name for path in _weight_files(directory)}
+  for entry in directory.iterdir():
+    if entry.name not in stale and not (new / entry.name).exists():
+      os.replace(entry, new / entry.name)
+  old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+  os.replace(directory, old)
+  os.replace(new, directory)
+  shutil.rmtree(old)
 
 
 def hf_state_dict(model: Qwen2, dtype: str = "float32") -> dict[str, np.ndarray]:
@@ -212,16 +230,21 @@ def save_pretrained(model: Qwen2, directory: str | Path, *, tokenizer_dir: str |
   LoRA adapters are merged into the base weights (the written model is the
   policy with adapters on). Tokenizer files are copied from `tokenizer_dir`, or
   written by a transformers `tokenizer` object. `max_shard_bytes` splits the
-  weights into several files with a `model.safetensors.index.json`. Weight files
-  already in `directory` are replaced. With several processes, all must call
+  weights into several files with a `model.safetensors.index.json`. The directory is
+  written under a temporary name and then replaces `directory` (earlier weights go,
+  other files stay). With several processes, all must call
   this (the weights are gathered) and process 0 writes.
   """
-  directory = Path(directory)
+  final = Path(directory)
   tensors = hf_state_dict(model, dtype)
   if jax.process_index() != 0:
-    return directory
-  directory.mkdir(parents=True, exist_ok=True)
-  _remove_weight_files(directory)
+    return final
+  final.parent.mkdir(parents=True, exist_ok=True)
+  # Written whole under a temporary name, then swapped in: an interrupted export leaves the
+  # earlier directory as it was, and a model can be exported over the directory it came from.
+  directory = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+  shutil.rmtree(directory, ignore_errors=True)
+  directory.mkdir()
   config = model.cfg.to_hf() | {"torch_dtype": dtype, "dtype": dtype}
   (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   if max_shard_bytes is None:
@@ -246,8 +269,9 @@ def save_pretrained(model: Qwen2, directory: str | Path, *, tokenizer_dir: str |
   if tokenizer_dir is not None:
     for fname in TOKENIZER_FILES:
       src = Path(tokenizer_dir) / fname
-      if src.exists() and src.resolve() != (directory / fname).resolve():
+      if src.exists():
         shutil.copyfile(src, directory / fname)
   if tokenizer is not None:
     tokenizer.save_pretrained(directory)
-  return directory
+  _swap_in(directory, final)
+  return final

@@ -6,9 +6,11 @@ Nothing here downloads: the tokenizer is read from a local directory only.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.models._config import ModelConfig
 
 # Used when the tokenizer has no chat template and no template is configured.
@@ -19,23 +21,26 @@ _EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 def load_tokenizer(directory: str | Path):
   """`transformers.AutoTokenizer` from a local directory (never from the hub)."""
+  # transformers warns at import that PyTorch is absent: noise for a JAX user. The user's own
+  # TRANSFORMERS_VERBOSITY wins.
+  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
   from transformers import AutoTokenizer  # heavy import, only when needed
 
   directory = Path(directory)
   if not directory.is_dir():
-    raise FileNotFoundError(f"{directory}: tokenizer directory not found")
+    raise MissingFileError(f"{directory}: tokenizer directory not found")
   config = directory / "tokenizer_config.json"
   if not config.exists():
-    raise FileNotFoundError(f"{config}: missing (needed to load the tokenizer)")
+    raise MissingFileError(f"{config}: missing (needed to load the tokenizer)")
   vocab = directory / "tokenizer.json"
   if not vocab.exists() and not ((directory / "vocab.json").exists()
                                  and (directory / "merges.txt").exists()):
-    raise FileNotFoundError(f"{vocab}: missing (and no vocab.json + merges.txt either)")
+    raise MissingFileError(f"{vocab}: missing (and no vocab.json + merges.txt either)")
   try:
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
   except Exception as e:  # transformers raises many kinds; keep the message on one line
     msg = " ".join(str(e).split())
-    raise ValueError(f"{directory}: cannot load the tokenizer "
+    raise UserError(f"{directory}: cannot load the tokenizer "
                      f"({type(e).__name__}: {msg})") from None
 
 
@@ -55,7 +60,7 @@ def render_prompt(tokenizer, problem: str, *, template: str | None = None,
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
   template = PLAIN_TEMPLATE if template is None else template
   if "{problem}" not in template:
-    raise ValueError(f"prompt template: must contain '{{problem}}', got {template!r}")
+    raise UserError(f"prompt template: must contain '{{problem}}', got {template!r}")
   text = template.replace("{problem}", problem)  # not str.format: LaTeX braces stay literal
   return text if system is None else f"{system}\n\n{text}"
 
@@ -100,7 +105,7 @@ def stop_token_ids(tokenizer, model_cfg: ModelConfig | None = None, *,
       try:
         ids.update(_ids(json.loads(gen.read_text()).get("eos_token_id")))
       except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise ValueError(f"{gen}: invalid eos_token_id ({e})") from None
+        raise UserError(f"{gen}: invalid eos_token_id ({e})") from None
   return tuple(sorted(ids))
 
 
@@ -121,3 +126,12 @@ def encode_prompts(tokenizer, texts: Sequence[str] | Iterable[str]) -> list[list
   with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
   adds_bos = len(with_special) > 0 and with_special[0] == bos
   return [([bos] if adds_bos and (not x or x[0] != bos) else []) + list(map(int, x)) for x in ids]
+
+
+def check_vocab(tokenizer, cfg: ModelConfig, model_dir: str | Path) -> None:
+  """Raises unless every token id the tokenizer can produce has a row in the model's embedding
+  (an id past the table would read garbage: NaN losses, never an error)."""
+  if len(tokenizer) > cfg.vocab_size:
+    raise UserError(f"{Path(model_dir) / 'tokenizer.json'}: {len(tokenizer)} tokens, but the "
+                    f"model's vocab_size is {cfg.vocab_size} (config.json); tokenizer and model "
+                    f"do not belong together")

@@ -1,0 +1,117 @@
+"""The package's layers (docs/architecture.md) hold: imports only go down or sideways, there is
+no import cycle, and no module reaches into another module's private names."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "epgrpo_jax"
+
+LAYERS = {
+    0: ["errors", "atomic", "cli", "configlib", "advantages", "losses", "rewards", "rows",
+        "sharding", "distributed", "checkpointing"],
+    1: ["models", "data", "benchmarks", "metrics"],
+    2: ["sampling", "steps", "sft"],
+    3: ["config"],
+    4: ["tasks.arithmetic", "evaluate"],
+    5: ["trainer"],
+    6: ["train", "plot", "heatmap", "experiments.compare", "experiments.perturb"],
+}
+LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
+
+
+def unit(module: str) -> str | None:
+  """The layered unit of `epgrpo_jax.<module>`: the models package is one unit."""
+  parts = module.split(".")
+  if parts[0] == "models":
+    return "models"
+  for n in (2, 1):
+    if ".".join(parts[:n]) in LAYER_OF:
+      return ".".join(parts[:n])
+  return None
+
+
+def modules() -> dict[str, Path]:
+  out = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    name = ".".join(p for p in rel.parts if p != "__init__")
+    if name:
+      out[name] = path
+  return out
+
+
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+  """(line, imported epgrpo_jax module, names) of every import, at top level or in a function."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found += [(node.lineno, a.name[len("epgrpo_jax."):], []) for a in node.names
+                if a.name.startswith("epgrpo_jax.")]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      if node.module == "epgrpo_jax":  # from epgrpo_jax import cli, configlib
+        for a in node.names:
+          if importlib.util.find_spec(f"epgrpo_jax.{a.name}") is not None:
+            found.append((node.lineno, a.name, []))
+      elif node.module.startswith("epgrpo_jax."):
+        found.append((node.lineno, node.module[len("epgrpo_jax."):], [a.name for a in node.names]))
+  return found
+
+
+def test_every_module_has_a_layer():
+  missing = [m for m in modules() if unit(m) is None and m not in ("tasks", "experiments")]
+  assert not missing, f"place these in LAYERS (and docs/architecture.md): {missing}"
+
+
+def test_no_import_runs_up_a_layer():
+  bad = []
+  for name, path in modules().items():
+    src = unit(name)
+    if src is None:
+      continue
+    for line, target, _ in imports(path):
+      dst = unit(target)
+      if dst is not None and dst != src and LAYER_OF[dst] > LAYER_OF[src]:
+        bad.append(f"{path.name}:{line} {src} (layer {LAYER_OF[src]}) imports {dst} "
+                   f"(layer {LAYER_OF[dst]})")
+  assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_across_modules():
+  bad = []
+  for name, path in modules().items():
+    for line, target, names in imports(path):
+      own_package = target.rsplit(".", 1)[0] == name.rsplit(".", 1)[0] or target.startswith(
+          name.split(".")[0] + "._")
+      private = [n for n in names if n.startswith("_")]
+      private_module = any(p.startswith("_") for p in target.split("."))
+      if (private or private_module) and not own_package:
+        bad.append(f"{path.name}:{line} from epgrpo_jax.{target} import {names}")
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+          and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+          and unit(node.value.id) is not None and node.value.id != name):
+        bad.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+  assert not bad, "\n".join(bad)
+
+
+def test_the_import_graph_has_no_cycle():
+  graph = {unit(n): set() for n in modules() if unit(n)}
+  for name, path in modules().items():
+    if unit(name):
+      graph[unit(name)] |= {unit(t) for _, t, _ in imports(path) if unit(t) not in (None, unit(name))}
+  state: dict[str, int] = {}
+
+  def visit(node: str, trail: list[str]) -> None:
+    state[node] = 1
+    for nxt in sorted(graph[node]):
+      assert state.get(nxt) != 1, f"import cycle: {' -> '.join(trail + [node, nxt])}"
+      if nxt not in state:
+        visit(nxt, trail + [node])
+    state[node] = 2
+
+  for node in sorted(graph):
+    if node not in state:
+      visit(node, [])
