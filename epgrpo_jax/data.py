@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 from epgrpo_jax import catalog
-from epgrpo_jax.rows import data_stem, read_rows
+from epgrpo_jax.rows import check_saved_dataset, data_stem, read_rows
 
 log = logging.getLogger("epgrpo_jax.data")
 
@@ -40,7 +40,7 @@ MATH_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answ
 class DataConfig:
   """Where problems come from and how they become prompts."""
 
-  train_files: tuple[str, ...] = ()  # paths or names (see `resolve_source`); empty: the embedded task
+  train_files: tuple[str, ...] = ()  # paths or names (`resolve_source`); empty: the embedded task
   heldout_file: str = ""  # a path or name; empty: the embedded task's held-out split (or none)
   problem_field: str = "problem"
   answer_field: str = "answer"
@@ -100,12 +100,7 @@ def resolve_source(value: str | Path, field: str = "data.train_files") -> Source
   if path.is_file():
     return Source(text, "file", path)
   if path.is_dir():
-    if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-      raise ValueError(f"{field}: {text} is a folder, but not a data set saved with datasets' "
-                       f"save_to_disk")
-    if not catalog.has_datasets():
-      raise ValueError(f"{field}: reading the saved data set {text} needs the optional `datasets` "
-                       f"library ({catalog.DATASETS_HINT})")
+    check_saved_dataset(path, field)
     return Source(text, "saved", path, split=split)
   found = catalog.train_set(text)
   if found is not None:
@@ -126,7 +121,8 @@ def resolve_source(value: str | Path, field: str = "data.train_files") -> Source
   raise ValueError(f"{field}: {text!r} is neither a file nor a known data set ({_names()})")
 
 
-def source_rows(src: Source, skips: collections.Counter) -> tuple[list[Any], tuple[str, ...] | None, str]:
+def source_rows(src: Source,
+                skips: collections.Counter) -> tuple[list[Any], tuple[str, ...] | None, str]:
   """(rows, (problem, answer, id) fields or None for the config's, source label) of `src`."""
   if src.kind == "benchmark":
     from epgrpo_jax import benchmarks
@@ -136,7 +132,8 @@ def source_rows(src: Source, skips: collections.Counter) -> tuple[list[Any], tup
     return rows, ("problem", "answer", "id"), src.name
   if src.kind == "train_set":
     entry = catalog.TRAIN_SETS[src.name]
-    return read_rows(entry.path, skips), (entry.problem_field, entry.answer_field, ""), str(entry.path)
+    fields = (entry.problem_field, entry.answer_field, "")
+    return read_rows(entry.path, skips), fields, str(entry.path)
   if src.kind == "hf":
     return catalog.hf_rows(src.name, src.split), None, src.name
   return read_rows(src.path, skips, split=src.split or None), None, str(src.path)

@@ -69,16 +69,24 @@ def json_array_rows(path: str | Path, raw: bytes) -> list:
   return data
 
 
+def check_saved_dataset(path: str | Path, what: str) -> None:
+  """Raises a one-line `ValueError` (starting with `what`) unless `path` is a folder written by
+  `datasets`' `save_to_disk` and the `datasets` library is installed to read it."""
+  path = Path(path)
+  if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+    raise ValueError(f"{what}: {path} is a folder, but not a data set saved with datasets' "
+                     f"save_to_disk")
+  from epgrpo_jax import catalog
+  if not catalog.has_datasets():
+    raise ValueError(f"{what}: reading the saved data set {path} needs the optional `datasets` "
+                     f"library ({catalog.DATASETS_HINT})")
+
+
 def saved_dataset_rows(path: str | Path, split: str | None = None) -> list[Any]:
   """Rows of a folder written by `datasets`' `save_to_disk`: a Dataset, or of a DatasetDict
   its split `split` (its only split when it has one and `split` is not among them)."""
   path = Path(path)
-  if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-    raise ValueError(f"{path}: a folder, but not a data set saved with datasets' save_to_disk")
-  from epgrpo_jax import catalog
-  if not catalog.has_datasets():
-    raise ValueError(f"{path}: reading a saved data set needs the optional `datasets` library "
-                     f"({catalog.DATASETS_HINT})")
+  check_saved_dataset(path, str(path))
   import datasets
   ds = datasets.load_from_disk(str(path))
   if isinstance(ds, datasets.DatasetDict):

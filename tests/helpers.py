@@ -55,6 +55,15 @@ def random_model(cfg: ModelConfig | None = None, *, lora: LoraConfig | None = No
   return randomize(model, seed, lora_std=lora_std)
 
 
+class WhitespaceTokenizer:
+  """A whitespace tokenizer with no chat template: enough for the data layer's prompt rendering."""
+
+  chat_template = None
+
+  def __call__(self, text, add_special_tokens=False):
+    return {"input_ids": [len(w) for w in text.split()]}
+
+
 def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
   """Copies the tokenizer files present in `src` into `dst`."""
   for fname in TOKENIZER_FILES:

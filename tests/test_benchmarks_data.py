@@ -146,7 +146,8 @@ def test_resolution_order(tmp_path, monkeypatch):
   # its files may be gzipped; a data dir without the file falls through to the shipped copy.
   _plain_copy("aime24", tmp_path / "root" / "benchmarks")
   problems, stats = B.load_benchmark_with_stats("aime24", data_dir=tmp_path / "root", limit=5)
-  assert len(problems) == 5 and stats.source == str(tmp_path / "root" / "benchmarks" / "aime24.jsonl")
+  assert len(problems) == 5
+  assert stats.source == str(tmp_path / "root" / "benchmarks" / "aime24.jsonl")
   shutil.copyfile(shipped, tmp_path / "aime24.jsonl.gz")
   assert B.load_benchmark_with_stats("aime24", data_dir=tmp_path)[1].source == str(
       tmp_path / "aime24.jsonl.gz")

@@ -12,22 +12,15 @@ import pytest
 from epgrpo_jax import benchmarks, catalog, data
 from epgrpo_jax.config import load_config
 from epgrpo_jax.rows import data_stem, read_rows
+from helpers import WhitespaceTokenizer
 
 TRAIN = catalog.TRAIN_SETS["simplelr_math_l3to5"]
 
 
-class _Tok:
-  """A whitespace tokenizer: enough for the data layer's prompt rendering."""
-
-  chat_template = None
-
-  def __call__(self, text, add_special_tokens=False):
-    return {"input_ids": [len(w) for w in text.split()]}
-
-
 def _load(files, field="data.train_files", **cfg):
   cfg = data.DataConfig(prompt_template="{problem}", max_prompt_tokens=100_000, **cfg)
-  return data.load_examples(files, data.PromptRenderer(_Tok(), cfg), cfg, field=field)
+  renderer = data.PromptRenderer(WhitespaceTokenizer(), cfg)
+  return data.load_examples(files, renderer, cfg, field=field)
 
 
 @pytest.fixture(scope="module")

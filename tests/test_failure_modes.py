@@ -15,6 +15,7 @@ import pytest
 from epgrpo_jax import data, train as train_cli
 from epgrpo_jax.rewards import RewardScorer
 from epgrpo_jax.tasks import arithmetic
+from helpers import WhitespaceTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,15 +153,6 @@ def test_no_usable_row_is_an_error(capsys, task, tmp_path):
                   "data.problem_field='problem', data.answer_field='answer')")
 
 
-class _Tok:
-  """A whitespace tokenizer: enough for the data layer's prompt rendering."""
-
-  chat_template = None
-
-  def __call__(self, text, add_special_tokens=False):
-    return {"input_ids": [hash(w) % 1000 for w in text.split()]}
-
-
 def test_bad_rows_are_skipped_and_counted(tmp_path):
   path = tmp_path / "rows.jsonl"
   lines = [
@@ -179,8 +171,8 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
   ]
   path.write_bytes(b"\n".join(lines))
   cfg = data.DataConfig(prompt_template="{problem}", max_prompt_tokens=20)
-  examples, skips = data.load_examples([path], data.PromptRenderer(_Tok(), cfg), cfg,
-                                       answer_ok=lambda a: a != "\\frac{")
+  renderer = data.PromptRenderer(WhitespaceTokenizer(), cfg)
+  examples, skips = data.load_examples([path], renderer, cfg, answer_ok=lambda a: a != "\\frac{")
   assert [(e.problem, e.answer) for e in examples] == [("What is 1+1?", "2"), ("What is 2+2?", "4")]
   assert dict(skips) == {"bad_json": 1, "not_utf8": 1, "not_an_object": 1, "missing_problem": 1,
                          "missing_answer": 1, "empty_problem": 1, "empty_answer": 1,
