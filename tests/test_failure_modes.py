@@ -58,6 +58,9 @@ CONFIG_CASES = [
     (["model.dtype=float64"], "error: model.dtype: must be float32 or bfloat16, got 'float64'"),
     (["model.path=/nonexistent-dir"], "error: model.path: not a directory: /nonexistent-dir"),
     (["data.train_files=[/nope.jsonl]"], "error: data.train_files: file not found: /nope.jsonl"),
+    (["data.heldout_file=math501"], "error: data.heldout_file: 'math501' is neither a file nor a "
+                                    "known data set (simplelr_math_l3to5, math500, amc23, minerva, "
+                                    "aime24, aime25)"),
     (["data.prompt_template=no placeholder"], "error: data.prompt_template: must contain {problem}"),
     (["checkpoint.keep=0"], "error: checkpoint.keep: must be > 0, got 0"),
     (["eval.top_p=0"], "error: eval.top_p: must be in (0, 1], got 0.0"),
