@@ -288,9 +288,9 @@ def test_cli_bad_inputs(lora_run, tmp_path, capsys, monkeypatch):
   monkeypatch.delenv("EPGRPO_DATA_DIR", raising=False)
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   cases = [
-      (["--model", str(model_dir), "--benchmarks", "aime24", "--data-dir", str(tmp_path),
-        "--max-new-tokens", "16"],
-       ("benchmark 'aime24': no local file", "--benchmark-file aime24=PATH")),
+      (["--model", str(model_dir), "--benchmarks", "aime24", "--benchmark-file",
+        f"aime24={tmp_path / 'missing.jsonl'}", "--max-new-tokens", "16"],
+       (f"benchmark 'aime24': file not found: {tmp_path / 'missing.jsonl'}",)),
       (["--model", str(model_dir), "--benchmark-file", "aime24"], ("expected NAME=PATH",)),
       (["--model", str(model_dir), "--benchmarks", "amc23", "--benchmark-file", "aime24=x.jsonl"],
        ("aime24 is not in --benchmarks",)),
