@@ -1,10 +1,13 @@
 """Evaluation benchmarks (MATH500, AMC23, Minerva Math, AIME24, AIME25): loading.
 
-Each benchmark is read from a local JSONL, JSON-array or Parquet file; the
-verl layout (`prompt[0].content`, `reward_model.ground_truth`) is understood
-too. Where the file comes from, in order: an explicit `path`; `<data_dir>/<file>`
-(or `<data_dir>/benchmarks/<file>`); the same under `$EPGRPO_DATA_DIR`; the
-benchmark's usual Hugging Face dataset when the `datasets` library is
+Each benchmark is read from a local JSONL (plain or gzipped), JSON-array or
+Parquet file; the verl layout (`prompt[0].content`, `reward_model.ground_truth`)
+is understood too. Where the rows come from, in order: an explicit `path` (a
+file, a folder saved by `datasets`' `save_to_disk`, or a Hugging Face dataset
+id, see `epgrpo_jax.catalog`); `<data_dir>/<file>` (or
+`<data_dir>/benchmarks/<file>`, either also as `<file>.gz`); the same under
+`$EPGRPO_DATA_DIR`; the copy shipped with the package (`epgrpo_jax/datasets`);
+the benchmark's usual Hugging Face dataset when the `datasets` library is
 installed and not offline; otherwise a one-line error saying what to pass.
 
 Rows without a problem or an answer are skipped and counted (`LoadStats`,
@@ -27,6 +30,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from epgrpo_jax import catalog
 from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.rewards import extract_boxed
 from epgrpo_jax.rows import read_rows
@@ -113,7 +117,7 @@ class BenchmarkSpec:
   """Where a benchmark lives and how its rows map to `Problem`s."""
 
   name: str
-  file: str  # file name in a data dir
+  file: str  # file name in a data dir (and, gzipped, in the package's datasets/benchmarks)
   hf: tuple[tuple[str, str], ...]  # usual Hugging Face (dataset id, split), first tried
   problem_fields: tuple[str, ...] = ("problem", "question", "prompt.0.content")
   answer_fields: tuple[str, ...] = ("answer", "reward_model.ground_truth")
@@ -260,27 +264,53 @@ def _offline() -> bool:
              for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
+def shipped_file(spec: BenchmarkSpec) -> Path:
+  """Where the package keeps its copy of the benchmark (gzipped)."""
+  return catalog.DATA_DIR / "benchmarks" / f"{spec.file}.gz"
+
+
 def _local_file(spec: BenchmarkSpec, data_dir: str | Path | None) -> tuple[Path | None, list[str]]:
+  """The benchmark's file in `data_dir`, else under `$EPGRPO_DATA_DIR`, else the shipped copy."""
   looked = []
   for base in (data_dir, os.environ.get(DATA_DIR_ENV)):
     if not base:
       continue
-    for cand in (Path(base) / spec.file, Path(base) / "benchmarks" / spec.file):
-      looked.append(str(cand))
-      if cand.is_file():
-        return cand, looked
-  return None, looked
+    for folder in (Path(base), Path(base) / "benchmarks"):
+      for cand in (folder / spec.file, folder / f"{spec.file}.gz"):
+        looked.append(str(cand))
+        if cand.is_file():
+          return cand, looked
+  cand = shipped_file(spec)
+  looked.append(str(cand))
+  return (cand if cand.is_file() else None), looked
 
 
 def _hf_rows(spec: BenchmarkSpec) -> tuple[list[dict], str]:
-  import datasets  # optional dependency
   errors = []
   for dataset_id, split in spec.hf:
     try:
-      return list(datasets.load_dataset(dataset_id, split=split)), f"hf:{dataset_id}[{split}]"
+      return catalog.hf_rows(dataset_id, split), f"hf:{dataset_id}[{split}]"
     except Exception as e:  # network, auth, schema: try the next id
       errors.append(f"{dataset_id}: {type(e).__name__}")
   raise OSError("; ".join(errors))
+
+
+def _explicit_rows(spec: BenchmarkSpec, path: str | Path,
+                   skipped: collections.Counter) -> tuple[list, str]:
+  """Rows of an explicit `path`: a file, a saved `datasets` folder or a Hugging Face id."""
+  file = Path(path).expanduser()
+  split = spec.hf[0][1] if spec.hf else "test"
+  if file.exists():
+    return read_rows(file, skipped, split=split), str(file)
+  ref = catalog.hf_reference(str(path))
+  if ref is None:
+    raise MissingFileError(f"benchmark {spec.name!r}: file not found: {file}")
+  if not catalog.has_datasets():
+    raise MissingFileError(f"benchmark {spec.name!r}: {path} is not a file, and reading it as a "
+                            f"Hugging Face dataset needs the `datasets` library "
+                            f"({catalog.DATASETS_HINT})")
+  dataset_id, split = ref[0], ref[1] or split
+  return catalog.hf_rows(dataset_id, split), f"hf:{dataset_id}[{split}]"
 
 
 def load_benchmark_with_stats(name: str, path: str | Path | None = None,
@@ -292,10 +322,7 @@ def load_benchmark_with_stats(name: str, path: str | Path | None = None,
     raise UserError(f"benchmark {spec.name!r}: limit must be >= 0, got {limit}")
   stats = LoadStats()
   if path is not None:
-    file = Path(path)
-    if not file.is_file():
-      raise MissingFileError(f"benchmark {spec.name!r}: file not found: {file}")
-    rows, stats.source = read_rows(file, stats.skipped), str(file)
+    rows, stats.source = _explicit_rows(spec, path, stats.skipped)
   else:
     file, looked = _local_file(spec, data_dir)
     if file is not None:

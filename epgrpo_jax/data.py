@@ -1,7 +1,11 @@
 """Problem/answer datasets: reading, validation with counted skips, prompts, Grain batches.
 
-Rows come from JSONL, a JSON array, or Parquet; fields are named by config
-(dotted paths reach nested fields, e.g. `reward_model.ground_truth`). A row that
+Rows come from JSONL (plain or gzipped), a JSON array, Parquet, a folder saved
+by `datasets`, a Hugging Face dataset id, or a data set shipped with the
+package, by name (`epgrpo_jax.catalog`: a training set such as
+`simplelr_math_l3to5`, or a benchmark such as `math500`). Fields are named by
+config (dotted paths reach nested fields, e.g. `reward_model.ground_truth`);
+a named set brings its own field names. A row that
 cannot be used is skipped and counted under a reason; nothing is silently
 dropped or truncated. Training batches are drawn by a Grain `MapDataset` of row
 indices (shuffled per epoch by seed, sharded per process) whose iterator state
@@ -19,8 +23,9 @@ from typing import Any, Callable, Sequence
 import grain
 import numpy as np
 
-from epgrpo_jax.errors import UserError
-from epgrpo_jax.rows import read_rows
+from epgrpo_jax import catalog
+from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.rows import check_saved_dataset, data_stem, read_rows
 
 log = logging.getLogger("epgrpo_jax.data")
 
@@ -36,8 +41,8 @@ MATH_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answ
 class DataConfig:
   """Where problems come from and how they become prompts."""
 
-  train_files: tuple[str, ...] = ()  # empty: the embedded arithmetic task
-  heldout_file: str = ""  # empty: the embedded task's held-out split (or none)
+  train_files: tuple[str, ...] = ()  # paths or names (`resolve_source`); empty: the embedded task
+  heldout_file: str = ""  # a path or name; empty: the embedded task's held-out split (or none)
   problem_field: str = "problem"
   answer_field: str = "answer"
   id_field: str = ""
@@ -56,10 +61,83 @@ class DataConfig:
     if self.heldout_limit < 0:
       raise UserError(f"data.heldout_limit: must be >= 0, got {self.heldout_limit}")
     for f in self.train_files:
-      if not Path(f).is_file():
-        raise UserError(f"data.train_files: file not found: {f}")
-    if self.heldout_file and not Path(self.heldout_file).is_file():
-      raise UserError(f"data.heldout_file: file not found: {self.heldout_file}")
+      resolve_source(f, "data.train_files")
+    if self.heldout_file:
+      resolve_source(self.heldout_file, "data.heldout_file")
+
+
+# The split read from a Hugging Face id or a saved DatasetDict, per config field.
+DEFAULT_SPLIT = {"data.train_files": "train", "data.heldout_file": "test"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where one entry of `data.train_files` (or `data.heldout_file`) reads its rows from.
+
+  kind: "file", "saved" (a `save_to_disk` folder), "train_set" or "benchmark"
+  (shipped with the package, by name) or "hf" (a Hugging Face dataset id).
+  """
+
+  text: str
+  kind: str
+  path: Path | None = None
+  name: str = ""
+  split: str = ""
+
+
+def _names() -> str:
+  from epgrpo_jax.benchmarks import BENCHMARKS
+  return ", ".join([*catalog.TRAIN_SETS, *BENCHMARKS])
+
+
+def resolve_source(value: str | Path, field: str = "data.train_files") -> Source:
+  """What `value` names: an existing file or saved `datasets` folder, else a shipped data set's
+  name, else a Hugging Face dataset id (with the `datasets` library); otherwise a one-line
+  `ValueError` that names `field`."""
+  from epgrpo_jax import benchmarks
+  text = str(value)
+  split = DEFAULT_SPLIT.get(field, "train")
+  path = Path(text).expanduser()
+  if path.is_file():
+    return Source(text, "file", path)
+  if path.is_dir():
+    check_saved_dataset(path, field)
+    return Source(text, "saved", path, split=split)
+  found = catalog.train_set(text)
+  if found is not None:
+    return Source(text, "train_set", found.path, found.name)
+  try:
+    return Source(text, "benchmark", name=benchmarks.get_spec(text).name)
+  except KeyError:
+    pass
+  ref = catalog.hf_reference(text)
+  if ref is not None and catalog.has_datasets():
+    return Source(text, "hf", name=ref[0], split=ref[1] or split)
+  if ref is not None:
+    raise UserError(f"{field}: {text!r} is neither a file nor a known data set ({_names()}); as a "
+                     f"Hugging Face dataset id it needs the `datasets` library "
+                     f"({catalog.DATASETS_HINT})")
+  if path.suffix or "/" in text or "\\" in text:
+    raise MissingFileError(f"{field}: file not found: {text}")
+  raise UserError(f"{field}: {text!r} is neither a file nor a known data set ({_names()})")
+
+
+def source_rows(src: Source,
+                skips: collections.Counter) -> tuple[list[Any], tuple[str, ...] | None, str]:
+  """(rows, (problem, answer, id) fields or None for the config's, source label) of `src`."""
+  if src.kind == "benchmark":
+    from epgrpo_jax import benchmarks
+    problems, stats = benchmarks.load_benchmark_with_stats(src.name)
+    skips.update(stats.skipped)
+    rows = [{"problem": p.problem, "answer": p.answer, "id": p.id} for p in problems]
+    return rows, ("problem", "answer", "id"), src.name
+  if src.kind == "train_set":
+    entry = catalog.TRAIN_SETS[src.name]
+    fields = (entry.problem_field, entry.answer_field, "")
+    return read_rows(entry.path, skips), fields, str(entry.path)
+  if src.kind == "hf":
+    return catalog.hf_rows(src.name, src.split), None, src.name
+  return read_rows(src.path, skips, split=src.split or None), None, str(src.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +206,21 @@ class PromptRenderer:
 
 def prepare(rows: Sequence[dict], renderer: PromptRenderer, cfg: DataConfig, skips: SkipCounts,
             source: str = "", answer_ok: Callable[[str], bool] | None = None,
-            answer_of: Callable[[dict], Any] | None = None) -> list[Example]:
-  """Validates rows into Examples; every unusable row is counted under its reason."""
+            answer_of: Callable[[dict], Any] | None = None,
+            fields: Sequence[str] | None = None) -> list[Example]:
+  """Validates rows into Examples; every unusable row is counted under its reason.
+
+  `fields`: (problem, answer, id) field names, in place of the config's.
+  """
+  problem_field, answer_field, id_field = fields or (cfg.problem_field, cfg.answer_field,
+                                                     cfg.id_field)
   examples = []
   for i, row in enumerate(rows):
     if not isinstance(row, dict):
       skips["not_an_object"] += 1
       continue
-    raw_problem = get_field(row, cfg.problem_field)
-    raw_answer = answer_of(row) if answer_of else get_field(row, cfg.answer_field)
+    raw_problem = get_field(row, problem_field)
+    raw_answer = answer_of(row) if answer_of else get_field(row, answer_field)
     problem, answer = _text(raw_problem), _text(raw_answer)
     reason = None
     if not _is_scalar(raw_problem):
@@ -160,19 +244,23 @@ def prepare(rows: Sequence[dict], renderer: PromptRenderer, cfg: DataConfig, ski
       skips[reason] += 1
       log.debug("%s row %d: skipped (%s)", source, i, reason)
       continue
-    rid = _text(get_field(row, cfg.id_field)) if cfg.id_field else None
-    examples.append(Example(id=rid or f"{Path(source).stem}:{i}", problem=problem, answer=answer,
+    rid = _text(get_field(row, id_field)) if id_field else None
+    examples.append(Example(id=rid or f"{data_stem(source)}:{i}", problem=problem, answer=answer,
                             prompt_ids=tuple(ids)))
   return examples
 
 
 def load_examples(files: Sequence[str | Path], renderer: PromptRenderer, cfg: DataConfig,
-                  answer_ok: Callable[[str], bool] | None = None) -> tuple[list[Example], SkipCounts]:
-  """All usable examples of `files`; raises if none is usable."""
+                  answer_ok: Callable[[str], bool] | None = None,
+                  field: str = "data.train_files") -> tuple[list[Example], SkipCounts]:
+  """All usable examples of `files` (paths or names, see `resolve_source`; `field` is the
+  config field they come from); raises if none is usable."""
   skips = SkipCounts()
   examples: list[Example] = []
   for f in files:
-    examples += prepare(read_rows(f, skips), renderer, cfg, skips, source=str(f), answer_ok=answer_ok)
+    rows, fields, source = source_rows(resolve_source(f, field), skips)
+    examples += prepare(rows, renderer, cfg, skips, source=source, answer_ok=answer_ok,
+                        fields=fields)
   if not examples:
     names = ", ".join(map(str, files))
     raise UserError(f"{names}: no usable row (skipped: {skips.summary()}; fields "

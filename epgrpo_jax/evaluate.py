@@ -455,9 +455,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--benchmarks", default=",".join(DEFAULT_BENCHMARKS),
                  help="comma-separated names (default: %(default)s)")
   p.add_argument("--benchmark-file", action="append", default=[], metavar="NAME=PATH",
-                 help="a benchmark's local JSONL/JSON/Parquet file (repeatable)")
+                 help="a benchmark's JSONL/JSON/Parquet file, folder saved by `datasets`, or "
+                 "Hugging Face dataset id (repeatable)")
   p.add_argument("--data-dir", help="directory holding the benchmark files by their usual names "
-                 "(default: $EPGRPO_DATA_DIR)")
+                 "(default: $EPGRPO_DATA_DIR, then the copies shipped in epgrpo_jax/datasets)")
   p.add_argument("--samples", type=_positive_int, default=16, help="samples per problem")
   p.add_argument("--temperature", type=_float_in(0.0, math.inf), default=1.0,
                  help="0 samples greedily")

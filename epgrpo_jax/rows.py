@@ -1,5 +1,7 @@
-"""Reading rows from JSON Lines, JSON-array and Parquet files.
+"""Reading rows from JSON Lines, JSON-array and Parquet files, and from data sets saved on disk.
 
+JSON files may be compressed (`.gz`, `.xz`). A folder written by the optional
+`datasets` library's `save_to_disk` is read with its `load_from_disk`.
 Bad JSON Lines lines (not UTF-8, not JSON; e.g. the truncated last line of a
 killed run) are skipped, counted by reason and logged with their line number.
 """
@@ -7,8 +9,10 @@ killed run) are skipped, counted by reason and logged with their line number.
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import logging
+import lzma
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,19 @@ from epgrpo_jax.errors import MissingFileError, UserError
 
 log = logging.getLogger("epgrpo_jax.rows")
 UTF8_BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not part of the data
+
+_DECOMPRESS = {".gz": gzip.decompress, ".xz": lzma.decompress}
+
+
+def data_name(path: str | Path) -> str:
+  """A file's name without a compression suffix ("a.jsonl.gz" -> "a.jsonl")."""
+  path = Path(path)
+  return path.stem if path.suffix.lower() in _DECOMPRESS else path.name
+
+
+def data_stem(path: str | Path) -> str:
+  """A file's name without its format and compression suffixes ("a.jsonl.gz" -> "a")."""
+  return Path(data_name(path)).stem
 
 
 def jsonl_rows(path: str | Path, raw: bytes | None = None,
@@ -55,10 +72,44 @@ def json_array_rows(path: str | Path, raw: bytes) -> list:
   return data
 
 
-def read_rows(path: str | Path, skipped: collections.Counter | None = None) -> list[Any]:
-  """Rows of a JSONL, JSON-array (`.json`, or content starting with "[") or Parquet file;
-  bad JSONL lines are counted in `skipped`."""
+def check_saved_dataset(path: str | Path, what: str) -> None:
+  """Raises a one-line `ValueError` (starting with `what`) unless `path` is a folder written by
+  `datasets`' `save_to_disk` and the `datasets` library is installed to read it."""
   path = Path(path)
+  if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+    raise UserError(f"{what}: {path} is a folder, but not a data set saved with datasets' "
+                     f"save_to_disk")
+  from epgrpo_jax import catalog
+  if not catalog.has_datasets():
+    raise UserError(f"{what}: reading the saved data set {path} needs the optional `datasets` "
+                     f"library ({catalog.DATASETS_HINT})")
+
+
+def saved_dataset_rows(path: str | Path, split: str | None = None) -> list[Any]:
+  """Rows of a folder written by `datasets`' `save_to_disk`: a Dataset, or of a DatasetDict
+  its split `split` (its only split when it has one and `split` is not among them)."""
+  path = Path(path)
+  check_saved_dataset(path, str(path))
+  import datasets
+  ds = datasets.load_from_disk(str(path))
+  if isinstance(ds, datasets.DatasetDict):
+    splits = list(ds)
+    if split not in ds and len(splits) == 1:
+      split = splits[0]
+    if split not in ds:
+      raise UserError(f"{path}: no split {split!r} (splits: {', '.join(splits)})")
+    ds = ds[split]
+  return list(ds)
+
+
+def read_rows(path: str | Path, skipped: collections.Counter | None = None,
+              split: str | None = None) -> list[Any]:
+  """Rows of a JSONL, JSON-array (`.json`, or content starting with "[") or Parquet file, the
+  JSON ones possibly gzip- or xz-compressed, or of a saved `datasets` folder (`split` picks a
+  split of a DatasetDict); bad JSONL lines are counted in `skipped`."""
+  path = Path(path)
+  if path.is_dir():
+    return saved_dataset_rows(path, split)
   if not path.is_file():
     raise MissingFileError(f"{path}: file not found")
   if path.suffix.lower() == ".parquet":
@@ -68,6 +119,12 @@ def read_rows(path: str | Path, skipped: collections.Counter | None = None) -> l
     except Exception as e:  # pyarrow raises several types
       raise UserError(f"{path}: unreadable Parquet file ({type(e).__name__}: {e})") from None
   raw = path.read_bytes()
-  if path.suffix.lower() == ".json" or raw.removeprefix(UTF8_BOM).lstrip().startswith(b"["):
+  decompress = _DECOMPRESS.get(path.suffix.lower())
+  if decompress is not None:
+    try:
+      raw = decompress(raw)
+    except (OSError, EOFError, lzma.LZMAError) as e:
+      raise UserError(f"{path}: unreadable {path.suffix} file ({e})") from None
+  if Path(data_name(path)).suffix.lower() == ".json" or raw.removeprefix(UTF8_BOM).lstrip().startswith(b"["):
     return json_array_rows(path, raw)
   return jsonl_rows(path, raw, skipped)

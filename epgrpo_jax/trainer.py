@@ -144,7 +144,8 @@ class Trainer:
     self.heldout: list[data.Example] = []
     if cfg.data.heldout_file:
       self.heldout, heldout_skips = data.load_examples([cfg.data.heldout_file], self.renderer,
-                                                       cfg.data, answer_ok=answer_parses)
+                                                       cfg.data, answer_ok=answer_parses,
+                                                       field="data.heldout_file")
       if cfg.data.heldout_limit:
         self.heldout = self.heldout[:cfg.data.heldout_limit]
       self.skips.update({f"heldout_{k}": v for k, v in heldout_skips.items()})

@@ -1,6 +1,9 @@
-"""Test-session set-up: 8 fake CPU devices (for the mesh tests) and hypothesis profiles."""
+"""Test-session set-up: 8 fake CPU devices (for the mesh tests), hypothesis profiles, and the
+Qwen2.5 tokenizer of tests/assets unpacked once per session."""
 
+import lzma
 import os
+import shutil
 from pathlib import Path
 
 # Must happen before anything imports jax.
@@ -23,13 +26,21 @@ settings.register_profile("dev", deadline=None, max_examples=50,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-SHARED_DATA = Path(os.environ.get("EPGRPO_SHARED_DATA",
-                                  Path(__file__).resolve().parents[2] / "shared" / "data"))
-QWEN_TOKENIZER_DIR = SHARED_DATA / "qwen2.5" / "Qwen2.5-1.5B-Instruct"
+QWEN_TOKENIZER_ASSET = Path(__file__).resolve().parent / "assets" / "qwen2.5-tokenizer"
+
+
+def unpack_qwen_tokenizer(dest: Path) -> Path:
+  """Writes the Qwen2.5 tokenizer files of tests/assets into `dest` (tokenizer.json unpacked
+  from its .xz); returns `dest`."""
+  dest.mkdir(parents=True, exist_ok=True)
+  with lzma.open(QWEN_TOKENIZER_ASSET / "tokenizer.json.xz") as src, \
+      open(dest / "tokenizer.json", "wb") as out:
+    shutil.copyfileobj(src, out)
+  shutil.copyfile(QWEN_TOKENIZER_ASSET / "tokenizer_config.json", dest / "tokenizer_config.json")
+  return dest
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-  if not SHARED_DATA.exists():
-    pytest.fail(f"shared data not found at {SHARED_DATA}; set EPGRPO_SHARED_DATA")
-  return SHARED_DATA
+def qwen_tokenizer_dir(tmp_path_factory) -> Path:
+  """A folder with the real Qwen2.5(-Instruct) tokenizer.json and tokenizer_config.json."""
+  return unpack_qwen_tokenizer(tmp_path_factory.mktemp("qwen2.5-tokenizer"))

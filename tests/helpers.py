@@ -12,18 +12,10 @@ from flax import nnx
 from epgrpo_jax.models import LoraConfig, ModelConfig, Qwen2, preset, save_pretrained
 from epgrpo_jax.models._hf_io import TOKENIZER_FILES
 
-# The real Qwen2.5 tokenizer (see tests/conftest.py); its ids need the real vocabulary size.
+# The real Qwen2.5 tokenizer (fixture `qwen_tokenizer_dir` of tests/conftest.py); its ids
+# need the real vocabulary size.
 QWEN_VOCAB_ROWS = 151_936
 QWEN_BOS, QWEN_EOS = 151_643, 151_645
-
-
-def qwen_tokenizer_dir() -> Path:
-  """`QWEN_TOKENIZER_DIR` of tests/conftest.py."""
-  try:
-    from conftest import QWEN_TOKENIZER_DIR  # pytest puts tests/ on sys.path
-  except ImportError:
-    from tests.conftest import QWEN_TOKENIZER_DIR
-  return QWEN_TOKENIZER_DIR
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -63,6 +55,15 @@ def random_model(cfg: ModelConfig | None = None, *, lora: LoraConfig | None = No
   return randomize(model, seed, lora_std=lora_std)
 
 
+class WhitespaceTokenizer:
+  """A whitespace tokenizer with no chat template: enough for the data layer's prompt rendering."""
+
+  chat_template = None
+
+  def __call__(self, text, add_special_tokens=False):
+    return {"input_ids": [len(w) for w in text.split()]}
+
+
 def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
   """Copies the tokenizer files present in `src` into `dst`."""
   for fname in TOKENIZER_FILES:
@@ -71,14 +72,14 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
 
 
 def tiny_hf_dir(tmp_path: str | Path, *, name: str = "tiny-qwen2", seed: int = 0,
-                tokenizer: bool | str | Path = False, lora: LoraConfig | None = None,
+                tokenizer: str | Path | None = None, lora: LoraConfig | None = None,
                 max_shard_bytes: int | None = None, **cfg) -> Path:
   """Writes a random tiny Qwen2 HF directory with our `save_pretrained`; returns its path.
 
-  `cfg` overrides the `test-tiny` preset. `tokenizer=True` copies the real
-  Qwen2.5 tokenizer files (a path: from there) and, unless given, sets the
-  real vocabulary size and Qwen bos/eos ids. With `lora`, random adapters are
-  merged into the written weights.
+  `cfg` overrides the `test-tiny` preset. `tokenizer` (a folder, e.g. the
+  `qwen_tokenizer_dir` fixture) copies the Qwen2.5 tokenizer files from there
+  and, unless given, sets the real vocabulary size and Qwen bos/eos ids. With
+  `lora`, random adapters are merged into the written weights.
   """
   if tokenizer:
     cfg.setdefault("vocab_size", QWEN_VOCAB_ROWS)
@@ -86,8 +87,6 @@ def tiny_hf_dir(tmp_path: str | Path, *, name: str = "tiny-qwen2", seed: int = 0
     cfg.setdefault("eos_token_id", QWEN_EOS)
   model = random_model(tiny_config(**cfg), lora=lora, seed=seed)
   directory = Path(tmp_path) / name
-  tok_dir = None
-  if tokenizer:
-    tok_dir = qwen_tokenizer_dir() if tokenizer is True else Path(tokenizer)
+  tok_dir = Path(tokenizer) if tokenizer else None
   save_pretrained(model, directory, tokenizer_dir=tok_dir, max_shard_bytes=max_shard_bytes)
   return directory

@@ -1,7 +1,8 @@
-"""Benchmark loading and answer checking on the real files in shared/data.
+"""Benchmark loading and answer checking on the real files shipped in epgrpo_jax/datasets.
 
-The data live next to the repository (`<repo>/../shared/data`), or where
-`$EPGRPO_SHARED_DATA` points; the tests skip when neither exists.
+The five benchmarks are loaded by name, which finds the package's gzipped
+copies (see epgrpo_jax/datasets/README.md); nothing outside the repository is
+read and nothing is skipped.
 
 Self-match (a completion ending in \\boxed{<gold>} scores 1; the string fast
 path is off, so every gold that is not a plain number goes through
@@ -22,26 +23,18 @@ to 6 decimal places). AMC23, AIME24, AIME25: 100%. The assertion is >= 98%.
 
 from __future__ import annotations
 
+import gzip
 import json
-import os
-from pathlib import Path
+import shutil
 
 import numpy as np
 import pytest
 
 from epgrpo_jax import benchmarks as B
+from epgrpo_jax import catalog
 from epgrpo_jax import rewards as R
 
-
-def _shared_data() -> Path:
-  env = os.environ.get("EPGRPO_SHARED_DATA")
-  return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-DATA = _shared_data()
-BENCH_DIR = DATA / "benchmarks"
-pytestmark = pytest.mark.skipif(not (BENCH_DIR / "math500.jsonl").is_file(),
-                                reason=f"shared benchmark data not found at {BENCH_DIR}")
+BENCH_DIR = catalog.DATA_DIR / "benchmarks"
 
 ROWS = {"math500": 500, "amc23": 40, "minerva": 272, "aime24": 30, "aime25": 30}
 AIME25_ANSWERS = [70, 588, 16, 117, 279, 504, 821, 77, 62, 81, 259, 510, 204, 60, 735, 468, 49,
@@ -56,15 +49,27 @@ def scorer():
 
 @pytest.fixture(scope="module")
 def loaded():
-  return {name: B.load_benchmark_with_stats(name, data_dir=BENCH_DIR) for name in ROWS}
+  """Each benchmark by name only: no data dir, no $EPGRPO_DATA_DIR, the hub switched off."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.delenv(B.DATA_DIR_ENV, raising=False)
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    return {name: B.load_benchmark_with_stats(name) for name in ROWS}
 
 
 # -- loading
 
 
+def test_shipped_files_are_complete():
+  """Every benchmark has its gzipped copy; the folder holds nothing the loader ignores."""
+  shipped = {B.shipped_file(spec) for spec in B.BENCHMARKS.values()}
+  assert shipped == set(BENCH_DIR.glob("*.jsonl.gz"))
+  assert (catalog.DATA_DIR / "README.md").is_file()
+
+
 @pytest.mark.parametrize("name", list(ROWS))
 def test_rows_and_fields(name, loaded):
   problems, stats = loaded[name]
+  assert stats.source == str(B.shipped_file(B.get_spec(name)))
   assert len(problems) == ROWS[name] == stats.rows == stats.loaded
   assert not sum(stats.skipped.values())
   assert len({p.id for p in problems}) == len(problems)
@@ -125,13 +130,34 @@ def test_alt_parquet_layouts(loaded):
   assert len(matched) >= 20 and all(R.check(a, b) for a, b in matched)
 
 
+def _plain_copy(name: str, folder) -> None:
+  """The shipped benchmark `name`, decompressed into `folder` under its usual file name."""
+  spec = B.get_spec(name)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / spec.file).write_bytes(gzip.decompress(B.shipped_file(spec).read_bytes()))
+
+
 def test_resolution_order(tmp_path, monkeypatch):
   monkeypatch.delenv(B.DATA_DIR_ENV, raising=False)
-  # data_dir may be the data root (with a benchmarks/ folder) or the folder itself.
-  assert len(B.load_benchmark("aime24", data_dir=DATA, limit=5)) == 5
-  # The environment variable is used when no data_dir finds the file.
-  monkeypatch.setenv(B.DATA_DIR_ENV, str(BENCH_DIR))
-  assert len(B.load_benchmark("aime25", data_dir=tmp_path)) == 30
+  shipped = str(B.shipped_file(B.get_spec("aime24")))
+  # Nothing given: the copy shipped with the package.
+  assert B.load_benchmark_with_stats("aime24")[1].source == shipped
+  # data_dir may be the data root (with a benchmarks/ folder) or the folder itself, and
+  # its files may be gzipped; a data dir without the file falls through to the shipped copy.
+  _plain_copy("aime24", tmp_path / "root" / "benchmarks")
+  problems, stats = B.load_benchmark_with_stats("aime24", data_dir=tmp_path / "root", limit=5)
+  assert len(problems) == 5
+  assert stats.source == str(tmp_path / "root" / "benchmarks" / "aime24.jsonl")
+  shutil.copyfile(shipped, tmp_path / "aime24.jsonl.gz")
+  assert B.load_benchmark_with_stats("aime24", data_dir=tmp_path)[1].source == str(
+      tmp_path / "aime24.jsonl.gz")
+  assert B.load_benchmark_with_stats("aime25", data_dir=tmp_path / "empty")[1].source == str(
+      B.shipped_file(B.get_spec("aime25")))
+  # The environment variable is used when no data_dir finds the file, before the shipped copy.
+  _plain_copy("aime25", tmp_path / "env")
+  monkeypatch.setenv(B.DATA_DIR_ENV, str(tmp_path / "env"))
+  problems, stats = B.load_benchmark_with_stats("aime25", data_dir=tmp_path / "empty")
+  assert len(problems) == 30 and stats.source == str(tmp_path / "env" / "aime25.jsonl")
   # An explicit path wins.
   f = tmp_path / "mine.jsonl"
   f.write_text(json.dumps({"problem": "What is 1+1?", "answer": 2}) + "\n")
@@ -140,18 +166,47 @@ def test_resolution_order(tmp_path, monkeypatch):
     B.load_benchmark("aime24", path=tmp_path / "missing.jsonl")
 
 
-def test_offline_without_file_is_one_clear_line(tmp_path, monkeypatch):
+def test_name_and_path_give_the_same_problems(loaded):
+  for name in ROWS:
+    assert B.load_benchmark(name, path=B.shipped_file(B.get_spec(name))) == loaded[name][0]
+
+
+def test_offline_without_any_copy_is_one_clear_line(tmp_path, monkeypatch):
+  """A package without its data files (simulated) and no network: one line saying what to pass."""
   monkeypatch.delenv(B.DATA_DIR_ENV, raising=False)
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  monkeypatch.setattr(catalog, "DATA_DIR", tmp_path / "no-package-data")
   with pytest.raises(FileNotFoundError) as e:
     B.load_benchmark("aime24", data_dir=tmp_path)
   msg = str(e.value)
   assert "\n" not in msg and msg.startswith("benchmark 'aime24': no local file")
+  assert str(tmp_path / "no-package-data" / "benchmarks" / "aime24.jsonl.gz") in msg
   assert "pass --benchmark-file aime24=PATH (expected a JSONL with fields problem, answer)" in msg
   with pytest.raises(FileNotFoundError, match="minerva=PATH"):
     B.load_benchmark("minerva_math")
   with pytest.raises(KeyError, match="unknown"):
     B.load_benchmark("gsm8k")
+
+
+def test_saved_dataset_and_hub_id_as_benchmark_file(tmp_path, monkeypatch):
+  """--benchmark-file NAME=FOLDER (save_to_disk) and NAME=hf:OWNER/NAME[:SPLIT], no network."""
+  datasets = pytest.importorskip("datasets")
+  rows = [{"problem": "What is 2+3?", "answer": 5.0, "id": "a"},
+          {"problem": "What is 2*3?", "answer": 6.0, "id": "b"}]
+  datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "saved")
+  expected = [B.Problem("a", "What is 2+3?", "5"), B.Problem("b", "What is 2*3?", "6")]
+  assert B.load_benchmark("amc23", path=tmp_path / "saved") == expected
+  asked = []
+
+  def load_dataset(dataset_id, split):  # stands in for the hub: the saved folder
+    asked.append((dataset_id, split))
+    return datasets.load_from_disk(str(tmp_path / "saved"))["test"]
+
+  monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+  problems, stats = B.load_benchmark_with_stats("amc23", path="hf:someone/amc:test")
+  assert problems == expected and stats.source == "hf:someone/amc[test]"
+  assert B.load_benchmark("aime24", path="someone/aime") == expected
+  assert asked == [("someone/amc", "test"), ("someone/aime", "train")]  # aime24's usual split
 
 
 def test_skipped_rows_are_counted(tmp_path, caplog):

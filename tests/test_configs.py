@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from epgrpo_jax import configlib
+from epgrpo_jax import catalog, configlib, data
 from epgrpo_jax.config import CONFIG_DIR, TrainConfig, load_config
 
 from helpers import tiny_hf_dir
@@ -32,10 +32,14 @@ def test_embedded_configs_load(name):
 
 
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
-def test_paper_configs_load_with_a_local_model(name, tmp_path, monkeypatch, shared_data):
-  monkeypatch.chdir(ROOT)  # their data paths are relative to the repository root
+def test_paper_configs_load_with_a_local_model(name, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # their data are named sets shipped in the package: any cwd works
   model_dir = tiny_hf_dir(tmp_path / "model")
   cfg = load_config(CONFIG_DIR / name, [f"model.path={model_dir}"])
+  assert cfg.data.train_files == ("simplelr_math_l3to5",) and cfg.data.heldout_file == "math500"
+  [train] = [data.resolve_source(f) for f in cfg.data.train_files]
+  assert train.path == catalog.TRAIN_SETS["simplelr_math_l3to5"].path and train.path.is_file()
+  assert data.resolve_source(cfg.data.heldout_file, "data.heldout_file").kind == "benchmark"
   # Section VII of the paper: lr 5e-6, warm-up 0.1, beta 0.001, clip 0.2, 16 prompts per step.
   assert cfg.optim.learning_rate == 5e-6 and cfg.optim.warmup_ratio == 0.1
   assert cfg.loss.beta == 0.001 and cfg.loss.eps_low == cfg.loss.eps_high == 0.2
@@ -70,7 +74,7 @@ def _train_commands(text: str) -> list[list[str]]:
           re.findall(r"python -m epgrpo_jax\.train([^\n&;|]*)", text)]
 
 
-def test_documented_train_commands_resolve(tmp_path, monkeypatch, shared_data):
+def test_documented_train_commands_resolve(tmp_path, monkeypatch):
   """Each training command of the README and docs/distributed.md names a config file and
   keys that exist, with valid values (parsed, not run; a local tiny model stands in for
   the checkpoint directories they name)."""

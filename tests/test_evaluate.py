@@ -21,18 +21,14 @@ from flax import nnx
 
 from epgrpo_jax import evaluate as E
 from epgrpo_jax import steps
-from epgrpo_jax.benchmarks import load_benchmark
+from epgrpo_jax.benchmarks import DATA_DIR_ENV, get_spec, load_benchmark, shipped_file
 from epgrpo_jax.checkpointing import Checkpointer, restore_trainable
 from epgrpo_jax.models import LoraConfig, from_pretrained, lora_layers
 from epgrpo_jax.rewards import RewardScorer
 from helpers import tiny_hf_dir
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("EPGRPO_SHARED_DATA", REPO.parent / "shared" / "data"))
-BENCH_DIR = SHARED / "benchmarks"
-NAMES = ("math500", "amc23", "minerva", "aime24", "aime25")
-needs_data = pytest.mark.skipif(not (BENCH_DIR / "math500.jsonl").is_file(),
-                                reason=f"benchmark files not found in {BENCH_DIR}")
+NAMES = ("math500", "amc23", "minerva", "aime24", "aime25")  # shipped in epgrpo_jax/datasets
 
 
 # ----------------------------------------------------------------------------
@@ -63,10 +59,9 @@ def test_summary_pass_at_k_matches_brute_force():
 
 def _golds() -> dict[str, object]:
   names = ("amc23", "aime24", "minerva")
-  return {n: load_benchmark(n, data_dir=BENCH_DIR, limit=1)[0] for n in names}
+  return {n: load_benchmark(n, limit=1)[0] for n in names}
 
 
-@needs_data
 def test_scoring_layer_on_hand_made_completions():
   """Known completions of real problems -> exact Acc, Fmt, pass@k, records and table."""
   problems = _golds()
@@ -129,16 +124,13 @@ def test_table_reports_skipped_and_empty_benchmarks():
   assert E.skip_note({"a": E.benchmark_metrics(result)}, 4096, 0, 16) == ""
 
 
-@needs_data
-def test_long_prompts_are_skipped_and_counted():
-  from conftest import QWEN_TOKENIZER_DIR
-
+def test_long_prompts_are_skipped_and_counted(qwen_tokenizer_dir):
   from epgrpo_jax.data import DataConfig, PromptRenderer
   from epgrpo_jax.models import load_tokenizer
-  renderer = PromptRenderer(load_tokenizer(QWEN_TOKENIZER_DIR),
+  renderer = PromptRenderer(load_tokenizer(qwen_tokenizer_dir),
                             DataConfig(prompt_template=E.EVAL_TEMPLATE))
   assert renderer.text("P").endswith("within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
-  problems = load_benchmark("aime25", data_dir=BENCH_DIR, limit=10)
+  problems = load_benchmark("aime25", limit=10)
   lengths = [len(renderer.ids(p.problem)) for p in problems]
   cut = sorted(lengths)[5]
   examples, skipped = E.render_examples(problems, renderer, max_new_tokens=16,
@@ -296,9 +288,9 @@ def test_cli_bad_inputs(lora_run, tmp_path, capsys, monkeypatch):
   monkeypatch.delenv("EPGRPO_DATA_DIR", raising=False)
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   cases = [
-      (["--model", str(model_dir), "--benchmarks", "aime24", "--data-dir", str(tmp_path),
-        "--max-new-tokens", "16"],
-       ("benchmark 'aime24': no local file", "--benchmark-file aime24=PATH")),
+      (["--model", str(model_dir), "--benchmarks", "aime24", "--benchmark-file",
+        f"aime24={tmp_path / 'missing.jsonl'}", "--max-new-tokens", "16"],
+       (f"benchmark 'aime24': file not found: {tmp_path / 'missing.jsonl'}",)),
       (["--model", str(model_dir), "--benchmark-file", "aime24"], ("expected NAME=PATH",)),
       (["--model", str(model_dir), "--benchmarks", "amc23", "--benchmark-file", "aime24=x.jsonl"],
        ("aime24 is not in --benchmarks",)),
@@ -329,20 +321,22 @@ def _main(argv: list[str]) -> int:
 # End to end
 
 
-@needs_data
 @pytest.mark.slow
-def test_end_to_end_tiny_model_on_five_benchmarks(tmp_path, capsys):
+def test_end_to_end_tiny_model_on_five_benchmarks(tmp_path, capsys, monkeypatch,
+                                                  qwen_tokenizer_dir):
   """A random 2-layer, hidden-32 model with the real Qwen tokenizer and a LoRA
-  checkpoint; 10 problems of each benchmark x 4 samples x 16 new tokens."""
+  checkpoint; 10 problems of each benchmark (by name: the shipped copies) x 4
+  samples x 16 new tokens."""
+  monkeypatch.delenv(DATA_DIR_ENV, raising=False)
   overrides = dict(tie_word_embeddings=True, max_position_embeddings=4096)
-  model_dir = tiny_hf_dir(tmp_path, tokenizer=True, **overrides)
+  model_dir = tiny_hf_dir(tmp_path, tokenizer=qwen_tokenizer_dir, **overrides)
   model = from_pretrained(model_dir, lora=LORA)
   set_adapters(model, 0.1)
   save_run(tmp_path / "run", model, full=False, steps_to_save=(2,),
            config={**RUN_CONFIG, "model": {"full_finetune": False, "path": str(model_dir)}})
   out = tmp_path / "out"
   code = E.main(["--checkpoint", str(tmp_path / "run"), "--benchmarks", ",".join(NAMES),
-                 "--data-dir", str(BENCH_DIR), "--limit", "10", "--samples", "4",
+                 "--limit", "10", "--samples", "4",
                  "--max-new-tokens", "16", "--out", str(out), "--seed", "1"])
   printed = capsys.readouterr().out
   assert code == 0
@@ -364,6 +358,7 @@ def test_end_to_end_tiny_model_on_five_benchmarks(tmp_path, capsys):
   assert (cfg["checkpoint_step"], cfg["samples"], cfg["max_new_tokens"]) == (2, 4, 16)
   assert cfg["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "up"]}
   assert cfg["model"] == str(model_dir)
+  assert cfg["benchmark_files"] == {n: str(shipped_file(get_spec(n))) for n in NAMES}
 
   records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
   assert len(records) == 200
@@ -372,7 +367,7 @@ def test_end_to_end_tiny_model_on_five_benchmarks(tmp_path, capsys):
   assert all(set(r) == fields for r in records)
   for name in NAMES:
     mine = [r for r in records if r["benchmark"] == name]
-    problems = load_benchmark(name, data_dir=BENCH_DIR, limit=10)
+    problems = load_benchmark(name, limit=10)
     assert [(r["problem_id"], r["sample"]) for r in mine] == [
         (p.id, s) for p in problems for s in range(4)]
     assert [r["gold"] for r in mine[::4]] == [p.answer for p in problems]

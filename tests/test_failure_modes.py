@@ -14,6 +14,7 @@ import pytest
 from epgrpo_jax import data, train as train_cli
 from epgrpo_jax.rewards import RewardScorer
 from epgrpo_jax.tasks import arithmetic
+from helpers import WhitespaceTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,6 +57,9 @@ CONFIG_CASES = [
     (["model.dtype=float64"], "error: model.dtype: must be float32 or bfloat16, got 'float64'"),
     (["model.path=/nonexistent-dir"], "error: model.path: not a directory: /nonexistent-dir"),
     (["data.train_files=[/nope.jsonl]"], "error: data.train_files: file not found: /nope.jsonl"),
+    (["data.heldout_file=math501"], "error: data.heldout_file: 'math501' is neither a file nor a "
+                                    "known data set (simplelr_math_l3to5, math500, amc23, minerva, "
+                                    "aime24, aime25)"),
     (["data.prompt_template=no placeholder"], "error: data.prompt_template: must contain {problem}"),
     (["checkpoint.keep=0"], "error: checkpoint.keep: must be > 0, got 0"),
     (["eval.top_p=0"], "error: eval.top_p: must be in (0, 1], got 0.0"),
@@ -162,15 +166,6 @@ def test_no_usable_row_is_an_error(capsys, task, tmp_path):
                   "data.problem_field='problem', data.answer_field='answer')")
 
 
-class _Tok:
-  """A whitespace tokenizer: enough for the data layer's prompt rendering."""
-
-  chat_template = None
-
-  def __call__(self, text, add_special_tokens=False):
-    return {"input_ids": [hash(w) % 1000 for w in text.split()]}
-
-
 def test_bad_rows_are_skipped_and_counted(tmp_path):
   path = tmp_path / "rows.jsonl"
   lines = [
@@ -189,8 +184,8 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
   ]
   path.write_bytes(b"\n".join(lines))
   cfg = data.DataConfig(prompt_template="{problem}", max_prompt_tokens=20)
-  examples, skips = data.load_examples([path], data.PromptRenderer(_Tok(), cfg), cfg,
-                                       answer_ok=lambda a: a != "\\frac{")
+  renderer = data.PromptRenderer(WhitespaceTokenizer(), cfg)
+  examples, skips = data.load_examples([path], renderer, cfg, answer_ok=lambda a: a != "\\frac{")
   assert [(e.problem, e.answer) for e in examples] == [("What is 1+1?", "2"), ("What is 2+2?", "4")]
   assert dict(skips) == {"bad_json": 1, "not_utf8": 1, "not_an_object": 1, "missing_problem": 1,
                          "missing_answer": 1, "empty_problem": 1, "empty_answer": 1,
@@ -212,7 +207,7 @@ def test_rows_that_are_not_text_or_not_parsable_are_skipped_with_the_real_checks
   # A UTF-8 byte-order mark before the first row is not part of it.
   path.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
   cfg = data.DataConfig(prompt_template="{problem}")
-  examples, skips = data.load_examples([path], data.PromptRenderer(_Tok(), cfg), cfg,
+  examples, skips = data.load_examples([path], data.PromptRenderer(WhitespaceTokenizer(), cfg), cfg,
                                        answer_ok=answer_parses)
   assert [e.answer for e in examples] == ["2", "\\frac{1}{2}"]
   assert dict(skips) == {"answer_not_text": 2, "problem_not_text": 1, "unparsable_answer": 2}

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from conftest import QWEN_TOKENIZER_DIR
+from epgrpo_jax.benchmarks import load_benchmark
 from epgrpo_jax.models._lora import fused, low_rank
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
                                from_pretrained, hf_state_dict, init_cache, load_config,
@@ -130,8 +130,8 @@ def randomize_lora(model: Qwen2, seed: int = 1, std: float = 0.2) -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-  return load_tokenizer(QWEN_TOKENIZER_DIR)
+def tokenizer(qwen_tokenizer_dir):
+  return load_tokenizer(qwen_tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -547,20 +547,20 @@ def test_encode_prompts_single_bos():
   assert stop_token_ids(fast) == (2,)
 
 
-def test_load_tokenizer_errors(tmp_path):
+def test_load_tokenizer_errors(tmp_path, qwen_tokenizer_dir):
   with pytest.raises(FileNotFoundError, match="not found"):
     load_tokenizer(tmp_path / "nowhere")
-  shutil.copyfile(QWEN_TOKENIZER_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+  shutil.copyfile(qwen_tokenizer_dir / "tokenizer.json", tmp_path / "tokenizer.json")
   with pytest.raises(FileNotFoundError, match=r"tokenizer_config\.json"):
     load_tokenizer(tmp_path)
   (tmp_path / "tokenizer.json").unlink()
-  shutil.copyfile(QWEN_TOKENIZER_DIR / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+  shutil.copyfile(qwen_tokenizer_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
   with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
     load_tokenizer(tmp_path)
 
 
-def test_tiny_hf_dir_with_tokenizer(tmp_path):
-  directory = tiny_hf_dir(tmp_path, tokenizer=True, num_layers=1)
+def test_tiny_hf_dir_with_tokenizer(tmp_path, qwen_tokenizer_dir):
+  directory = tiny_hf_dir(tmp_path, tokenizer=qwen_tokenizer_dir, num_layers=1)
   assert (directory / "tokenizer.json").exists() and (directory / "tokenizer_config.json").exists()
   cfg = load_config(directory)
   assert cfg.vocab_size == 151_936 and cfg.eos_token_id == 151_645
@@ -570,7 +570,7 @@ def test_tiny_hf_dir_with_tokenizer(tmp_path):
 
 # ----------------------------------------------------------------------------- real shapes
 
-def test_qwen25_05b_shapes_smoke(tokenizer, shared_data):
+def test_qwen25_05b_shapes_smoke(tokenizer):
   """Real 0.5B shapes (2 layers, 151,936 vocab), real tokenizer and chat template, one forward."""
   cfg = preset("qwen2.5-0.5b", num_layers=2)
   assert (cfg.vocab_size, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
@@ -581,8 +581,7 @@ def test_qwen25_05b_shapes_smoke(tokenizer, shared_data):
     base = 1.0 if ".".join(map(str, path)).endswith("norm.weight") else 0.0
     block = base + 0.02 * rng.standard_normal(min(var.size, 1 << 16), dtype=np.float32)
     var.set_value(jnp.asarray(np.resize(block, var.shape)))
-  with open(shared_data / "benchmarks" / "math500.jsonl") as f:
-    problems = [json.loads(line)["problem"] for line in f]
+  problems = [p.problem for p in load_benchmark("math500")]
   problem = min(problems, key=len)  # the shortest keeps the 151,936-wide head cheap
   text = render_prompt(tokenizer, problem)
   assert text.startswith("<|im_start|>system\n") and problem in text

@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = load_policy(model_dir)
     renderer = data.PromptRenderer(tokenizer, cfg.data)
     examples, _ = data.load_examples([cfg.data.heldout_file], renderer, cfg.data,
-                                     answer_ok=answer_parses)
+                                     answer_ok=answer_parses, field="data.heldout_file")
     examples = examples[:args.problems]
     golds = [parse_gold(e.answer) for e in examples]
     eos = stop_token_ids(tokenizer, model.cfg)
