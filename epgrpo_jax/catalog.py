@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -89,3 +90,10 @@ def hf_rows(dataset_id: str, split: str) -> list[dict[str, Any]]:
                               f"`datasets` library ({DATASETS_HINT})")
   import datasets
   return list(datasets.load_dataset(dataset_id, split=split))
+
+
+def cache_dir() -> Path:
+  """Where built data (the embedded task, its warm start) is cached: $EPGRPO_DATA_DIR, else
+  ~/.cache/epgrpo_jax."""
+  env = os.environ.get("EPGRPO_DATA_DIR")
+  return Path(env).expanduser() if env else Path.home() / ".cache" / "epgrpo_jax"

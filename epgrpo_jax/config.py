@@ -7,10 +7,9 @@ here equal the embedded default so that an empty config is a valid run.
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
-from epgrpo_jax import configlib
+from epgrpo_jax import catalog, configlib
 from epgrpo_jax.advantages import AdvantageConfig
 from epgrpo_jax.data import DataConfig
 from epgrpo_jax.errors import UserError
@@ -192,9 +191,7 @@ class EmbeddedConfig:
       raise UserError(f"embedded.sft_slip: must be in [0, 1), got {self.sft_slip}")
 
   def resolved_data_dir(self) -> Path:
-    if self.data_dir:
-      return Path(self.data_dir)
-    return Path(os.environ.get("EPGRPO_DATA_DIR", Path.home() / ".cache" / "epgrpo_jax"))
+    return Path(self.data_dir) if self.data_dir else catalog.cache_dir()
 
 
 @dataclasses.dataclass(frozen=True)

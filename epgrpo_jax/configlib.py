@@ -27,23 +27,65 @@ class ConfigError(UserError):
   """A configuration problem, stated in one line that names the key."""
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-  """Reads a YAML config, merging it over its `base:` chain."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+  """YAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps
+  the last silently)."""
+
+  def construct_mapping(self, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+      key = self.construct_object(key_node, deep=deep)
+      if key in seen:
+        raise ConfigError(f"{self.name}: key {key!r} given twice (line {key_node.start_mark.line + 1})")
+      seen.add(key)
+    return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: str | Path, *, flag: str = "--config", default_base: str | None = None,
+              _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+  """Reads a YAML config, merging it over its `base:` chain (a file name relative to it).
+
+  `default_base`: a base file of that name that does not exist counts as empty (the built-in
+  defaults equal it).
+  """
   path = Path(path)
   if not path.is_file():
-    raise ConfigError(f"--config: file not found: {path}")
+    raise ConfigError(f"{flag}: file not found: {path}")
   try:
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text(encoding="utf-8")
+  except UnicodeDecodeError:
+    raise ConfigError(f"{path}: not UTF-8 text") from None
+  try:
+    data = yaml.load(text, Loader=_loader(path))
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f" (line {mark.line + 1})" if mark else ""
     raise ConfigError(f"{path}: invalid YAML{where}") from None
+  data = {} if data is None else data
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: top level must be a mapping of sections")
   base = data.pop("base", None)
   if base is None:
     return data
-  return deep_merge(load_yaml(path.parent / base), data)
+  if not isinstance(base, str) or not base.strip():
+    raise ConfigError(f"{path}: base: must be a file name, got {base!r}")
+  base_path = path.parent / base
+  chain = (*_chain, path.resolve())
+  if base_path.resolve() in chain:
+    loop = " -> ".join(p.name for p in (*chain, base_path.resolve()))
+    raise ConfigError(f"{path}: base: {base} makes a loop ({loop})")
+  if default_base is not None and base == default_base and not base_path.is_file():
+    return data
+  return deep_merge(load_yaml(base_path, flag=flag, default_base=default_base,
+                              _chain=chain), data)
+
+
+def _loader(path: Path):
+  def make(stream):
+    loader = _UniqueKeyLoader(stream)
+    loader.name = str(path)
+    return loader
+  return make
 
 
 def deep_merge(base: dict, over: dict) -> dict:

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import grain
-import numpy as np
 
 from epgrpo_jax import catalog
 from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.models import render_prompt
 from epgrpo_jax.rows import check_saved_dataset, data_stem, read_rows
 
 log = logging.getLogger("epgrpo_jax.data")
@@ -192,13 +192,10 @@ class PromptRenderer:
     self.chat = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
   def text(self, problem: str) -> str:
-    user = self.cfg.prompt_template.replace("{problem}", problem)
+    user = self.cfg.prompt_template.replace("{problem}", problem)  # LaTeX braces stay literal
     if not self.chat:
       return user
-    messages = [{"role": "user", "content": user}]
-    if self.cfg.system_prompt:
-      messages.insert(0, {"role": "system", "content": self.cfg.system_prompt})
-    return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return render_prompt(self.tokenizer, user, system=self.cfg.system_prompt or None)
 
   def ids(self, problem: str) -> list[int]:
     return list(self.tokenizer(self.text(problem), add_special_tokens=False)["input_ids"])
@@ -290,16 +287,3 @@ def batch_iterator(num_examples: int, batch_size: int, *, seed: int, shuffle: bo
   lo = shard_index * per
   ds = ds.repeat(None).batch(batch_size, drop_remainder=True)
   return iter(ds if shard_count == 1 else ds.map(lambda batch: batch[lo:lo + per]))
-
-
-def pad_left(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Left-pads token lists to `length`: (ids [N, length] int32, mask [N, length] bool)."""
-  ids = np.full((len(seqs), length), pad_id, np.int32)
-  mask = np.zeros((len(seqs), length), bool)
-  for i, s in enumerate(seqs):
-    if len(s) > length:
-      raise ValueError(f"sequence of {len(s)} tokens does not fit in {length}")
-    if s:
-      ids[i, length - len(s):] = s
-      mask[i, length - len(s):] = True
-  return ids, mask

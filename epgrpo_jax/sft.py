@@ -29,12 +29,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from epgrpo_jax import cli
+from epgrpo_jax import cli, optim
 from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.losses import token_logprob_entropy
 from epgrpo_jax.metrics import Progress
 from epgrpo_jax.rows import read_rows
 from epgrpo_jax.models import (LORA, LoraConfig, Qwen2, from_pretrained, load_tokenizer,
-                               save_pretrained)
+                               render_prompt, save_pretrained)
 
 
 SCHEDULES = ("cosine", "linear", "constant")
@@ -106,13 +107,6 @@ class SFTResult:
 
 # ----------------------------------------------------------------------------- data
 
-def render_prompt(tokenizer, problem: str, template: str = "{problem}") -> str:
-  """The chat-rendered prompt (generation prompt added) of one problem."""
-  content = template.replace("{problem}", problem)
-  return tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                       add_generation_prompt=True, tokenize=False)
-
-
 def encode_rows(tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
                 skipped: dict[str, int] | None = None) -> list[tuple[np.ndarray, int]]:
   """(token ids, number of prompt tokens) per usable row; the others are counted in `skipped`."""
@@ -126,7 +120,8 @@ def encode_rows(tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
     if not isinstance(prompt, str) or not isinstance(completion, str) or not prompt or not completion:
       skipped["missing_field"] = skipped.get("missing_field", 0) + 1
     else:
-      usable.append((render_prompt(tokenizer, prompt, cfg.prompt_template), completion))
+      usable.append((render_prompt(tokenizer, cfg.prompt_template.replace("{problem}", prompt)),
+                     completion))
   if not usable:
     return []
   prompts = tokenizer([p for p, _ in usable], add_special_tokens=False)["input_ids"]
@@ -186,58 +181,29 @@ def _pad_batch(rows: Sequence[tuple[np.ndarray, int]], length: int,
 
 # ----------------------------------------------------------------------------- loss and step
 
-def token_nll(hidden_NxD, head_DxV, targets_N, chunk: int):
-  """Per-token negative log-likelihood, the LM head applied `chunk` tokens at a time."""
-  n = hidden_NxD.shape[0]
-  chunk = min(chunk, n)
-  pad = (-n) % chunk
-
-  @jax.checkpoint
-  def one(args):
-    h_CxD, t_C = args
-    logits_CxV = jnp.einsum("cd,dv->cv", h_CxD, head_DxV, preferred_element_type=jnp.float32)
-    target = jnp.take_along_axis(logits_CxV, t_C[:, None], axis=-1)[:, 0]
-    return jax.nn.logsumexp(logits_CxV, axis=-1) - target
-
-  h = jnp.pad(hidden_NxD, ((0, pad), (0, 0)))
-  t = jnp.pad(targets_N, (0, pad))
-  if h.shape[0] == chunk:
-    nll = one((h, t))
-  else:
-    nll = jax.lax.map(one, (h.reshape(-1, chunk, h.shape[-1]), t.reshape(-1, chunk))).reshape(-1)
-  return nll[:n]
-
-
 def sft_loss(model: Qwen2, batch: dict[str, jax.Array], chunk: int) -> jax.Array:
   """Mean NLL of the completion tokens: position t predicts token t + 1."""
   tokens = batch["tokens_BxT"]
   b, t = tokens.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   hidden_BxTxD, _ = model(tokens, positions_BxT, batch["mask_BxT"])
-  hidden_NxD = hidden_BxTxD[:, :-1].reshape(b * (t - 1), -1)
-  nll_N = token_nll(hidden_NxD, model.head_DxV(), tokens[:, 1:].reshape(-1), chunk)
-  weight_N = batch["loss_mask_BxT"][:, 1:].reshape(-1)
-  return jnp.sum(nll_N * weight_N) / jnp.maximum(jnp.sum(weight_N), 1.0)
+  # The chunked LM head of the RL loss: no [B, T, V] logits, whatever the vocabulary.
+  logp_BxT, _ = token_logprob_entropy(hidden_BxTxD[:, :-1], model.head_DxV(), tokens[:, 1:],
+                                      token_chunk=chunk)
+  weight_BxT = batch["loss_mask_BxT"][:, 1:]
+  return -jnp.sum(logp_BxT * weight_BxT) / jnp.maximum(jnp.sum(weight_BxT), 1.0)
 
 
 def make_schedule(cfg: SFTConfig) -> optax.Schedule:
   """Linear warm-up from 0, then cosine or linear decay to `end_lr_ratio * lr`, or constant."""
-  warmup = int(cfg.warmup_ratio * cfg.steps)
-  decay_steps = max(cfg.steps - warmup, 1)
-  if cfg.schedule == "cosine":
-    decay = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.end_lr_ratio)
-  elif cfg.schedule == "constant":
-    decay = optax.constant_schedule(cfg.lr)
-  else:
-    decay = optax.linear_schedule(cfg.lr, cfg.lr * cfg.end_lr_ratio, decay_steps)
-  return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), decay], [warmup])
+  return optim.make_schedule(cfg.lr, cfg.steps, warmup_ratio=cfg.warmup_ratio, decay=cfg.schedule,
+                             end_ratio=cfg.end_lr_ratio)
 
 
 def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
   """AdamW on `make_schedule`, after global-norm gradient clipping."""
-  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                     optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
-                                 weight_decay=cfg.weight_decay))
+  return optim.make_optimizer(make_schedule(cfg), weight_decay=cfg.weight_decay,
+                              max_grad_norm=cfg.max_grad_norm, b1=cfg.b1, b2=cfg.b2)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, chunk: int):

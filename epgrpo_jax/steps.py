@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from epgrpo_jax import losses, sharding
+from epgrpo_jax import losses, optim, sharding
 from epgrpo_jax.distributed import place
 from epgrpo_jax.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint
@@ -111,15 +111,9 @@ def make_optimizer(learning_rate: float, total_updates: int, *, warmup_ratio: fl
                    weight_decay: float, max_grad_norm: float, b1: float = 0.9,
                    b2: float = 0.999, eps: float = 1e-8) -> tuple[optax.GradientTransformation, Any]:
   """AdamW with linear warm-up over `warmup_ratio` of the updates, then linear decay to 0."""
-  warmup = max(int(round(warmup_ratio * total_updates)), 0)
-  decay = max(total_updates - warmup, 1)
-  schedule = optax.join_schedules(
-      [optax.linear_schedule(0.0, learning_rate, max(warmup, 1)),
-       optax.linear_schedule(learning_rate, 0.0, decay)],
-      boundaries=[warmup]) if warmup else optax.linear_schedule(learning_rate, 0.0, decay)
-  parts = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
-  parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
-  return optax.chain(*parts), schedule
+  schedule = optim.make_schedule(learning_rate, total_updates, warmup_ratio=warmup_ratio)
+  return optim.make_optimizer(schedule, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                              b1=b1, b2=b2, eps=eps), schedule
 
 
 def gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBatch, *,

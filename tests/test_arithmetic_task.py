@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from epgrpo_jax import catalog
 from epgrpo_jax.tasks import arithmetic as A
 
 SMALL = dict(train_per_level=40, heldout_per_level=8)
@@ -199,9 +200,9 @@ def test_stale_temp_dir_of_dead_process_is_removed(tmp_path):
 
 def test_default_data_dir_env(monkeypatch, tmp_path):
   monkeypatch.setenv("EPGRPO_DATA_DIR", str(tmp_path))
-  assert A.default_data_dir() == tmp_path
+  assert catalog.cache_dir() == tmp_path
   monkeypatch.delenv("EPGRPO_DATA_DIR")
-  assert A.default_data_dir() == Path.home() / ".cache" / "epgrpo_jax"
+  assert catalog.cache_dir() == Path.home() / ".cache" / "epgrpo_jax"
 
 
 # ----------------------------------------------------------------------------- evaluation

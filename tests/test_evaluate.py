@@ -374,3 +374,47 @@ def test_end_to_end_tiny_model_on_five_benchmarks(tmp_path, capsys, monkeypatch,
     acc = np.mean([r["correct"] for r in mine])
     assert results["benchmarks"][name]["accuracy"] == pytest.approx(acc)
     assert all(1 <= r["num_tokens"] <= 16 for r in mine)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_an_interrupted_evaluation_leaves_the_earlier_one_whole(tmp_path, capsys, monkeypatch,
+                                                                qwen_tokenizer_dir):
+  monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+  model_dir = tiny_hf_dir(tmp_path, tokenizer=qwen_tokenizer_dir, max_position_embeddings=4096)
+  out = tmp_path / "out"
+  argv = ["--model", str(model_dir), "--benchmarks", "amc23,aime24", "--limit", "2",
+          "--samples", "1", "--max-new-tokens", "8", "--out", str(out), "--no-progress"]
+  assert E.main(argv) == 0
+  before = _files(out)
+  assert set(before) == {"results.md", "results.json", "samples.jsonl"}
+
+  calls = []
+  real = E.evaluate_examples
+
+  def interrupted(*args, **kwargs):  # Ctrl-C during the second benchmark
+    calls.append(1)
+    if len(calls) == 2:
+      raise KeyboardInterrupt
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(E, "evaluate_examples", interrupted)
+  assert E.main(argv + ["--seed", "7"]) == 130
+  assert len(calls) == 2
+  after = _files(out)
+  assert {k: v for k, v in after.items() if not k.startswith(".")} == before
+  monkeypatch.setattr(E, "evaluate_examples", real)
+  assert E.main(argv) == 0  # the next run clears the interrupted one's temporary file
+  before = _files(out)
+  assert set(before) == {"results.md", "results.json", "samples.jsonl"}
+  capsys.readouterr()
+
+  # A benchmark with no usable row stops before the model loads, where it used to be averaged out.
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"problem": "What is 1+1?"}\n{"answer": "2"}\n')
+  _one_line_exit_2(_main(["--model", str(model_dir), "--benchmarks", "amc23,aime24",
+                          "--benchmark-file", f"aime24={bad}", "--out", str(out)]), capsys,
+                   "--benchmarks aime24: no usable problem in ")
+  assert _files(out) == before

@@ -107,6 +107,26 @@ def test_config_file_errors(capsys, tmp_path):
   missing_base.write_text("base: nowhere.yaml\n")
   code, line = run_cli(capsys, "--config", str(missing_base))
   assert (code, line) == (2, f"error: --config: file not found: {tmp_path / 'nowhere.yaml'}")
+  cases = {
+      "number.yaml": ("3\n", "top level must be a mapping of sections"),
+      "loop_a.yaml": ("base: loop_b.yaml\n", "base: loop_a.yaml makes a loop (loop_a.yaml -> "
+                                              "loop_b.yaml -> loop_a.yaml)"),
+      "loop_b.yaml": ("base: loop_a.yaml\n", None),
+      "self.yaml": ("base: self.yaml\n", "base: self.yaml makes a loop (self.yaml -> self.yaml)"),
+      "base_number.yaml": ("base: 3\n", "base: must be a file name, got 3"),
+      "twice.yaml": ("train: {steps: 1}\ntrain: {steps: 2}\n", "key 'train' given twice (line 2)"),
+  }
+  for name, (text, _) in cases.items():
+    (tmp_path / name).write_text(text)
+  for name, (_, expected) in cases.items():
+    if expected is None:
+      continue
+    code, line = run_cli(capsys, "--config", str(tmp_path / name))
+    where = tmp_path / ("loop_b.yaml" if name == "loop_a.yaml" else name)
+    assert (code, line) == (2, f"error: {where}: {expected}"), line
+  latin = tmp_path / "latin1.yaml"
+  latin.write_bytes(b"train: {output_dir: caf\xe9}\n")
+  assert run_cli(capsys, "--config", str(latin)) == (2, f"error: {latin}: not UTF-8 text")
 
 
 def test_unknown_flag_is_a_usage_error(capsys):
@@ -247,3 +267,24 @@ def test_a_bug_inside_a_step_keeps_its_traceback(capsys, task, tmp_path, monkeyp
   monkeypatch.setattr(trainer_mod.Trainer, "step", broken_step)
   with pytest.raises(ValueError, match="could not be broadcast"):
     train_cli.main(_run_args(task, tmp_path, "train.steps=2", "eval.every=0"))
+
+
+def test_model_dir_value_errors_name_the_file_and_key(capsys, task, tmp_path):
+  broken = tmp_path / "model"
+  shutil.copytree(task.model_dir, broken)
+  good = json.loads((broken / "config.json").read_text())
+  cases = [([1, 2], "expected a JSON object, got list"),
+           ({**good, "hidden_size": "32"}, "hidden_size: expected an integer, got '32'"),
+           ({**good, "num_hidden_layers": True}, "num_hidden_layers: expected an integer, got True"),
+           ({**good, "rope_theta": None}, "rope_theta, rms_norm_eps: must be numbers")]
+  for cfg, expected in cases:
+    (broken / "config.json").write_text(json.dumps(cfg))
+    code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
+    assert code == 2 and line.startswith(f"error: {broken / 'config.json'}: {expected}"), line
+  (broken / "config.json").write_text(json.dumps(good))
+  tok_cfg = json.loads((broken / "tokenizer_config.json").read_text())
+  tok_cfg["chat_template"] = "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"
+  (broken / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}",
+                                          "data.use_chat_template=true"))
+  assert code == 2 and "tokenizer_config.json: the chat template cannot render a prompt" in line, line

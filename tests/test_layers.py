@@ -10,8 +10,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "epgrpo_jax"
 
 LAYERS = {
-    0: ["errors", "atomic", "cli", "configlib", "advantages", "losses", "rewards", "rows",
-        "sharding", "distributed", "checkpointing"],
+    0: ["errors", "atomic", "catalog", "cli", "configlib", "optim", "advantages", "losses", "rewards",
+        "rows", "sharding", "distributed", "checkpointing"],
     1: ["models", "data", "benchmarks", "metrics"],
     2: ["sampling", "steps", "sft"],
     3: ["config"],

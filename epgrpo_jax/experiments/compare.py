@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import yaml
 
 from epgrpo_jax import cli, configlib
 from epgrpo_jax.atomic import write_text_atomic
@@ -96,29 +95,12 @@ PAPER_NOTE = ("Paper (Qwen2.5-3B, MATH, G=8): 58.77% of GRPO training steps cont
 # Configs
 
 
-def _read_yaml_chain(path: Path) -> dict[str, Any]:
-  """`configlib.load_yaml`, except that a missing `base: default.yaml` means the defaults.
-
-  (TrainConfig's defaults equal configs/default.yaml, so the variant files work
-  before default.yaml exists.)
-  """
-  if path.name == "default.yaml" and not path.is_file():
-    return {}
-  if not path.is_file():
-    raise configlib.ConfigError(f"--config-dir: file not found: {path}")
-  data = yaml.safe_load(path.read_text()) or {}
-  if not isinstance(data, dict):
-    raise configlib.ConfigError(f"{path}: top level must be a mapping of sections")
-  base = data.pop("base", None)
-  if base is None:
-    return data
-  return configlib.deep_merge(_read_yaml_chain(path.parent / base), data)
-
-
 def variant_config(variant: Variant, overrides: Sequence[str] = (),
                    config_dir: str | Path = CONFIG_DIR) -> TrainConfig:
   """The variant's TrainConfig (its file, then `overrides`), checked against its switches."""
-  data = _read_yaml_chain(Path(config_dir) / variant.config)
+  # TrainConfig's defaults equal configs/default.yaml: a config dir may leave it out.
+  data = configlib.load_yaml(Path(config_dir) / variant.config, flag="--config-dir",
+                             default_base="default.yaml")
   cfg = configlib.build(TrainConfig, configlib.deep_merge(data, configlib.parse_overrides(
       list(overrides))))
   want = ADVANTAGE_VARIANTS[variant.advantage]

@@ -106,6 +106,19 @@ class ModelConfig:
       )
     except KeyError as e:
       raise UserError(f"config.json: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError):
+      raise UserError(f"rope_theta, rms_norm_eps: must be numbers, got {theta!r}, "
+                      f"{hf.get('rms_norm_eps')!r}") from None
+    hf_keys = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads"}
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+      if not isinstance(kw[name], int) or isinstance(kw[name], bool):
+        raise UserError(f"{hf_keys.get(name, name)}: expected an integer, got {kw[name]!r}")
+    for name in ("bos_token_id", "eos_token_id"):
+      ids = kw[name] if isinstance(kw[name], list) else [kw[name]]
+      if not all(i is None or (isinstance(i, int) and not isinstance(i, bool)) for i in ids):
+        raise UserError(f"{name}: expected an integer or a list of integers, got {kw[name]!r}")
     kw.update(overrides)
     return cls(**kw)
 

@@ -90,9 +90,13 @@ def load_config(directory: str | Path, **overrides) -> ModelConfig:
   if not path.exists():
     raise MissingFileError(f"{path}: missing (not a Hugging Face model directory)")
   try:
-    hf = json.loads(path.read_text())
+    hf = json.loads(path.read_text(encoding="utf-8"))
+  except UnicodeDecodeError:
+    raise UserError(f"{path}: not UTF-8 text") from None
   except json.JSONDecodeError as e:
     raise UserError(f"{path}: invalid JSON ({e})") from None
+  if not isinstance(hf, dict):
+    raise UserError(f"{path}: expected a JSON object, got {type(hf).__name__}")
   try:
     return ModelConfig.from_hf(hf, **overrides)
   except ValueError as e:

@@ -57,7 +57,12 @@ def render_prompt(tokenizer, problem: str, *, template: str | None = None,
   if template is None and getattr(tokenizer, "chat_template", None):
     messages = [{"role": "system", "content": system}] if system is not None else []
     messages.append({"role": "user", "content": problem})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+      return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2 raises several types for a broken template
+      where = Path(getattr(tokenizer, "name_or_path", "") or ".") / "tokenizer_config.json"
+      raise UserError(f"{where}: the chat template cannot render a prompt "
+                      f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
   template = PLAIN_TEMPLATE if template is None else template
   if "{problem}" not in template:
     raise UserError(f"prompt template: must contain '{{problem}}', got {template!r}")

@@ -36,6 +36,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from epgrpo_jax import catalog
+from epgrpo_jax.rewards import extract_boxed
+from epgrpo_jax.rows import read_rows
+
 VERSION = "arithmetic-v1"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, IM_START, IM_END)
@@ -211,22 +215,6 @@ def generate_splits(seed: int = 0, train_per_level: int = 1500, heldout_per_leve
 
 # ----------------------------------------------------------------------------- answers
 
-def extract_boxed(text: str) -> str | None:
-  """The content of the last ``\\boxed{...}`` (braces matched), or None."""
-  start = text.rfind("\\boxed{")
-  if start < 0:
-    return None
-  depth, i = 1, start + len("\\boxed{")
-  for j in range(i, len(text)):
-    if text[j] == "{":
-      depth += 1
-    elif text[j] == "}":
-      depth -= 1
-      if depth == 0:
-        return text[i:j]
-  return None
-
-
 def is_correct(completion: str, answer: str | int) -> bool:
   """Exact integer match of the last boxed answer."""
   boxed = extract_boxed(completion)
@@ -343,15 +331,8 @@ class Assets:
     return read_jsonl(self.heldout_file)
 
 
-def default_data_dir() -> Path:
-  """$EPGRPO_DATA_DIR, else ~/.cache/epgrpo_jax."""
-  env = os.environ.get("EPGRPO_DATA_DIR")
-  return Path(env).expanduser() if env else Path.home() / ".cache" / "epgrpo_jax"
-
-
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return read_rows(path)
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
@@ -419,7 +400,7 @@ def build_assets(data_dir: str | Path | None = None, seed: int = 0, *, train_per
   and renamed into place, so a killed build leaves no partial cache; a second
   call with the same parameters does no work.
   """
-  data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+  data_dir = Path(data_dir) if data_dir is not None else catalog.cache_dir()
   params = dict(version=VERSION, seed=seed, train_per_level=train_per_level,
                 heldout_per_level=heldout_per_level, vocab_size=vocab_size,
                 model_overrides=model_overrides or {},
