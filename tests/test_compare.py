@@ -49,8 +49,9 @@ def test_check_plan_requires_the_same_budget(tmp_path):
   (tmp_path / "cfg").mkdir()
   for name in ("grpo.yaml", "eg.yaml"):
     text = (compare.CONFIG_DIR / name).read_text()
-    if name == "eg.yaml":
-      text += "train: {steps: 3}\n"
+    if name == "eg.yaml":  # a different step budget (a key given twice would be an error)
+      text = text.replace("train: {", "train: {steps: 3, ")
+      assert "steps: 3" in text
     (tmp_path / "cfg" / name).write_text(text)
   plan = compare.make_plan(compare.parse_args(["--variants", "grpo,eg", "--seeds", "1",
                                                "--out", str(tmp_path), "--config-dir",

@@ -414,7 +414,10 @@ def test_an_interrupted_evaluation_leaves_the_earlier_one_whole(tmp_path, capsys
   # A benchmark with no usable row stops before the model loads, where it used to be averaged out.
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"problem": "What is 1+1?"}\n{"answer": "2"}\n')
-  _one_line_exit_2(_main(["--model", str(model_dir), "--benchmarks", "amc23,aime24",
-                          "--benchmark-file", f"aime24={bad}", "--out", str(out)]), capsys,
-                   "--benchmarks aime24: no usable problem in ")
+  code = _main(["--model", str(model_dir), "--benchmarks", "amc23,aime24",
+                "--benchmark-file", f"aime24={bad}", "--out", str(out)])
+  err = capsys.readouterr().err.strip().splitlines()  # the loader's warning, then the error
+  assert code == 2 and "Traceback" not in "\n".join(err)
+  assert err[-1] == (f"error: --benchmarks aime24: no usable problem in {bad} (skipped: "
+                     "missing_answer=1, missing_problem=1)")
   assert _files(out) == before
