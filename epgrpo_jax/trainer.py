@@ -654,6 +654,8 @@ def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv
       "grad_norm": mean_update["grad_norm"],
       "loss": mean_update["loss"],
   }
+  if "entropy_mask/kept_frac" in mean_update:
+    out["entropy_mask/kept_frac"] = mean_update["entropy_mask/kept_frac"]
   out.update({k: float(v) for k, v in adv_metrics.items()})
   return out
 
