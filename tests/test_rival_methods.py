@@ -4,8 +4,6 @@ today's results, and dynamic sampling's static shapes and exact data order on re
 
 from __future__ import annotations
 
-import threading
-
 import chex
 import grain
 import jax
@@ -19,9 +17,10 @@ from epgrpo_jax.config import TrainConfig
 from epgrpo_jax.losses import (LossConfig, high_entropy_mask, masked_quantile, policy_loss,
                                sequence_log_ratio)
 from epgrpo_jax.rewards import RewardResult, overlong_penalty
-from epgrpo_jax.tasks import arithmetic
 from epgrpo_jax.trainer import (SampledRound, Trainer, group_has_signal, merge_rewards,
                                 merge_rounds, select_groups, truncated_rows)
+
+from helpers import Events, arithmetic_task, rl_step_config
 
 LN2 = float(np.log(2.0))
 
@@ -239,30 +238,6 @@ def test_merge_rounds_and_rewards_literal():
 # ----------------------------------------------------------------------------
 # Dynamic sampling in the trainer: static shapes, iterator position, resume.
 
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-class Events:
-  """Counts jit tracings and XLA executable builds while installed."""
-
-  def __init__(self):
-    self.traces = self.compiles = 0
-    self._lock = threading.Lock()
-
-  def _listener(self, event: str, duration: float, **_) -> None:
-    with self._lock:
-      self.traces += event == TRACE_EVENT
-      self.compiles += event == COMPILE_EVENT
-
-  def __enter__(self) -> "Events":
-    jax.monitoring.register_event_duration_secs_listener(self._listener)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    jax.monitoring.unregister_event_duration_listener(self._listener)
-
-
 def half_signal(completions: list[str], answers: list[str]) -> list[float]:
   """A reward with a signal only in groups whose gold answer has an even number of characters."""
   return [float(len(c) % 2 == 0) if len(a) % 2 == 0 else 0.0
@@ -271,21 +246,16 @@ def half_signal(completions: list[str], answers: list[str]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-  return arithmetic.build_assets(tmp_path_factory.mktemp("arith"), seed=0, train_per_level=60,
-                                 heldout_per_level=4, verbose=False)
+  return arithmetic_task(tmp_path_factory.mktemp("arith"))
 
 
 def test_dynamic_sampling_static_shapes_and_exact_resume(task, tmp_path):
   # Composed with EP-GRPO's advantage (the default), 80/20, GSPO and overlong filtering.
-  cfg = TrainConfig().override(
-      f"model.path={task.model_dir}", f"data.train_files=[{task.train_file}]",
-      "data.prompt_template='{problem}'", "train.steps=3", "train.prompts_per_step=4",
-      "train.num_generations=4", "sampling.max_new_tokens=16", "lora.rank=4",
-      f"reward.function={__name__}:half_signal", f"train.output_dir={tmp_path / 'run'}",
+  cfg = rl_step_config(
+      task, tmp_path / "run", "train.steps=3", f"reward.function={__name__}:half_signal",
       "dynamic_sampling.enabled=true", "dynamic_sampling.max_extra_rounds=1",
       "loss.top_entropy_quantile=0.5", "loss.importance_sampling_level=sequence",
-      "loss.mask_truncated_completions=true",
-      "logging.progress=false", "logging.tensorboard=false", "logging.samples_every=0")
+      "loss.mask_truncated_completions=true")
   P, G = 4, 4
   trainer = Trainer(cfg)
   try:
