@@ -5,7 +5,7 @@
         [key=value ...]
 
 Trains every variant (GRPO, Higher Temp, More Rollouts, +EG, +IPS, +EG+IPS,
-+IPS+ZVD, EP-GRPO) for each of N seeds (`train.seed` = first seed + i) from the
++IPS+ZVD, EP-GRPO, and the rival rows below) for each of N seeds (`train.seed` = first seed + i) from the
 same warm-started model and data with the same step budget, each by calling
 `epgrpo_jax.trainer.train` on `configs/<variant>.yaml` (EP-GRPO:
 `configs/default.yaml`) plus the shared `key=value` overrides. Each final
@@ -21,12 +21,15 @@ Writes under OUT (default runs/compare):
 
 Resumable: a (variant, seed) whose result.json exists is not run again; one
 killed part-way resumes from its last checkpoint (or restarts if it has none).
-The rival methods of issue 25 (80/20 token selection, DAPO dynamic sampling at
-the same step and at the same sample budget, GSPO, DAPO overlong filtering and
-soft overlong punishment) are rows too, each on GRPO's advantage.
-`--quick` (CI) runs every row of the tables but the Table II baselines and the
-Table IV ablations, one seed, a 16-problem eval: GRPO and EP-GRPO three steps,
-the rival rows one step each (they check the pipeline).
+
+The rival methods of issue 25 are rows too, each on GRPO's advantage: 80/20
+token selection, DAPO dynamic sampling at the same step budget and at the
+same sample budget (`Variant.same_samples`), GSPO, DAPO overlong filtering and
+soft overlong punishment ("Rival methods" table of the report).
+
+`--quick` (CI) runs GRPO and EP-GRPO for three steps and the rival rows for one
+step each (without the Table II baselines and the Table IV ablations), one
+seed, a 16-problem eval: a check of the pipeline, not of the result.
 """
 
 from __future__ import annotations
