@@ -5,12 +5,13 @@
         [key=value ...]
 
 Trains every variant (GRPO, Higher Temp, More Rollouts, +EG, +IPS, +EG+IPS,
-+IPS+ZVD, EP-GRPO, and the rival rows below) for each of N seeds (`train.seed` = first seed + i) from the
-same warm-started model and data with the same step budget, each by calling
-`epgrpo_jax.trainer.train` on `configs/<variant>.yaml` (EP-GRPO:
-`configs/default.yaml`) plus the shared `key=value` overrides. Each final
-policy is evaluated on the held-out set by the trainer (16 samples per
-problem, temperature `eval.temperature`): Acc, Fmt, pass@4/8/16.
++IPS+ZVD, EP-GRPO, and the rival rows below) for each of N seeds
+(`train.seed` = first seed + i) from the same warm-started model and data with
+the same step budget, each by calling `epgrpo_jax.trainer.train` on
+`configs/<variant>.yaml` (EP-GRPO: `configs/default.yaml`) plus the shared
+`key=value` overrides. Each final policy is evaluated on the held-out set by
+the trainer (16 samples per problem, temperature `eval.temperature`): Acc,
+Fmt, pass@4/8/16.
 
 Writes under OUT (default runs/compare):
   runs/<variant>/seed<s>/     the run directory; `result.json` there marks it finished
@@ -570,8 +571,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, help="RL steps of every run (default: the configs' train.steps)")
   p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem")
   p.add_argument("--config-dir", default=str(CONFIG_DIR), help="where the variant YAML files are")
-  p.add_argument("--quick", action="store_true", help="CI setting: GRPO, EP-GRPO (3 steps) and the rival rows "
-                 "(1 step), 1 seed")
+  p.add_argument("--quick", action="store_true",
+                 help="CI setting: GRPO, EP-GRPO (3 steps) and the rival rows (1 step), 1 seed")
   p.add_argument("--report-only", action="store_true", help="only rebuild the report from results")
   p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
   p.add_argument("overrides", nargs="*", metavar="key=value",
