@@ -93,6 +93,7 @@ class TrainSection:
   output_dir: str = "runs/default"
   reuse_sampler_logprobs: bool = False  # skip the scoring pass; use the sampler's log-probs
   max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
+  max_samples: int = 0  # stop once this many completions were sampled (0: no limit)
 
   def __post_init__(self):
     _positive("train", self, "steps", "prompts_per_step", "num_generations", "num_iterations",
@@ -101,6 +102,8 @@ class TrainSection:
       raise UserError(f"train.seed: must be in [0, 2**32), got {self.seed}")
     if not self.output_dir.strip():
       raise UserError("train.output_dir: empty (an unset shell variable?); name a directory")
+    if self.max_samples < 0:
+      raise UserError(f"train.max_samples: must be >= 0, got {self.max_samples}")
     rows = self.prompts_per_step * self.num_generations
     if rows % self.mini_batches:
       raise UserError(f"train.mini_batches: {self.mini_batches} does not divide the "
@@ -108,6 +111,22 @@ class TrainSection:
     if (rows // self.mini_batches) % self.grad_accumulation:
       raise UserError(f"train.grad_accumulation: {self.grad_accumulation} does not divide the "
                        f"{rows // self.mini_batches} sequences of an update")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSamplingConfig:
+  """DAPO's dynamic sampling: groups whose rewards are all equal leave the batch, and
+  further batches of prompts are sampled to replace them (`trainer.select_groups`)."""
+
+  enabled: bool = False
+  max_extra_rounds: int = 2  # extra sampling rounds (train.prompts_per_step prompts each)
+
+  def __post_init__(self):
+    if not isinstance(self.enabled, bool):
+      raise UserError(f"dynamic_sampling.enabled: must be a bool, got {self.enabled!r}")
+    if self.max_extra_rounds < 0:
+      raise UserError(f"dynamic_sampling.max_extra_rounds: must be >= 0, got "
+                       f"{self.max_extra_rounds}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +224,7 @@ class TrainConfig:
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
   train: TrainSection = TrainSection()
+  dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
   eval: EvalSection = EvalSection()
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
@@ -218,6 +238,9 @@ class TrainConfig:
                        f"prompt, got {self.train.num_generations}")
     if self.sampling.max_new_tokens < 1:
       raise UserError("sampling.max_new_tokens: must be >= 1")
+    if self.reward.overlong_buffer > self.sampling.max_new_tokens:
+      raise UserError(f"reward.overlong_buffer: {self.reward.overlong_buffer} exceeds "
+                       f"sampling.max_new_tokens ({self.sampling.max_new_tokens})")
 
   def replace(self, **sections) -> "TrainConfig":
     return dataclasses.replace(self, **sections)

@@ -25,6 +25,7 @@ from epgrpo_jax.errors import UserError
 
 _F32 = jnp.float32
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_max_len")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def naive_token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array,
@@ -207,6 +208,12 @@ class LossConfig:
   beta: float = 0.001
   aggregation: str = "token_mean"  # or "seq_mean_token_mean", "seq_sum_max_len" (Dr.GRPO)
   max_len: int | None = None  # Dr.GRPO normaliser; None: the batch's T
+  # "80/20": the surrogate only on the top q of the batch's tokens by entropy (1.0: all).
+  top_entropy_quantile: float = 1.0
+  # "sequence": GSPO's length-normalised sequence ratio, clipped per sequence.
+  importance_sampling_level: str = "token"
+  # DAPO overlong filtering: completions without a stop token leave the loss (trainer).
+  mask_truncated_completions: bool = False
 
   def __post_init__(self):
     if not 0 <= self.eps_low < 1:
@@ -219,6 +226,16 @@ class LossConfig:
       raise UserError(f"loss.aggregation: unknown {self.aggregation!r}; use one of {AGGREGATIONS}")
     if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
       raise UserError(f"loss.max_len: must be None or an int >= 1, got {self.max_len!r}")
+    q = self.top_entropy_quantile
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q <= 1:
+      raise UserError(f"loss.top_entropy_quantile: must be in (0, 1], got {q!r}")
+    if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+      raise UserError(f"loss.importance_sampling_level: unknown "
+                       f"{self.importance_sampling_level!r}; use one of "
+                       f"{IMPORTANCE_SAMPLING_LEVELS}")
+    if not isinstance(self.mask_truncated_completions, bool):
+      raise UserError(f"loss.mask_truncated_completions: must be a bool, got "
+                       f"{self.mask_truncated_completions!r}")
 
   def replace(self, **kw: Any) -> LossConfig:
     return dataclasses.replace(self, **kw)
@@ -226,6 +243,51 @@ class LossConfig:
 
 def _masked_mean(x_BxT, mask_BxT, count):
   return jnp.sum(jnp.where(mask_BxT, x_BxT, 0.0)) / jnp.maximum(count, 1.0)
+
+
+def masked_quantile(x_BxT: jax.Array, mask_BxT: jax.Array, q: float) -> jax.Array:
+  """The q-quantile of the masked values, interpolated linearly between order statistics.
+
+  The definition of `numpy.quantile` / `torch.quantile` (default "linear"): with
+  the n masked values sorted, `v[floor(p)] + (p - floor(p)) (v[floor(p) + 1] -
+  v[floor(p)])`, p = q (n - 1). +inf when nothing is masked.
+  """
+  v_N = jnp.sort(jnp.where(mask_BxT, x_BxT.astype(_F32), jnp.inf).reshape(-1))
+  n = jnp.sum(mask_BxT.astype(jnp.int32))
+  pos = q * jnp.maximum(n - 1, 0).astype(_F32)
+  lo = jnp.floor(pos).astype(jnp.int32)
+  hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+  frac = pos - lo.astype(_F32)
+  low, high = v_N[lo], v_N[hi]
+  return jnp.where(frac > 0, low + frac * (high - low), low)
+
+
+def high_entropy_mask(entropy_BxT: jax.Array, mask_BxT: jax.Array, *, quantile: float) -> jax.Array:
+  """The top-`quantile` tokens by entropy ("Beyond the 80/20 rule"; TRL's `top_entropy_quantile`).
+
+  Keeps the masked tokens whose entropy is >= the (1 - quantile)-quantile of
+  the entropies of all masked tokens of the batch (`masked_quantile`); ties at
+  the threshold are all kept. A constant of the loss (no gradient).
+  """
+  entropy_BxT = jax.lax.stop_gradient(entropy_BxT.astype(_F32))
+  threshold = masked_quantile(entropy_BxT, mask_BxT, 1.0 - quantile)
+  return mask_BxT & (entropy_BxT >= threshold)
+
+
+def sequence_log_ratio(logp_BxT: jax.Array, logp_old_BxT: jax.Array,
+                       mask_BxT: jax.Array) -> jax.Array:
+  """GSPO's sequence log-ratio in its token form ("GSPO-token"), 0 on padding.
+
+  `log s_i = mean_t (logp - logp_old)` over the response's tokens (length
+  normalised); each token gets `sg(log s_i) + logp_t - sg(logp_t)`: its value is
+  log s_i for every token of the sequence, its gradient that of logp_t, so
+  `exp` of it has the value s_i and the gradient s_i d logp_t.
+  """
+  log_ratio_BxT = jnp.where(mask_BxT, logp_BxT - logp_old_BxT, 0.0)
+  length_B = jnp.maximum(jnp.sum(mask_BxT.astype(_F32), axis=-1), 1.0)
+  log_s_B = jax.lax.stop_gradient(jnp.sum(log_ratio_BxT, axis=-1) / length_B)
+  token_BxT = logp_BxT - jax.lax.stop_gradient(logp_BxT)
+  return jnp.where(mask_BxT, log_s_B[:, None] + token_BxT, 0.0)
 
 
 def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.Array,
@@ -243,6 +305,12 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
     seq_mean_token_mean: sum_b (sum_t l / |o_b|) / #non-empty sequences
     seq_sum_max_len:     sum_b (sum_t l / max_len) / B          (Dr.GRPO)
 
+  `cfg.importance_sampling_level="sequence"` (GSPO) replaces rho by the sequence
+  ratio s_i of `sequence_log_ratio`, so clipping acts per sequence.
+  `cfg.top_entropy_quantile` < 1 keeps the surrogate only on the tokens of
+  `high_entropy_mask(entropy_BxT)` (required then); the KL term and the
+  denominator still cover every token (as TRL).
+
   Both parts are in `aux` ("loss_numerator", "loss_denominator"). For exact
   gradient accumulation over micro-batches, pass the full batch's denominator
   as `denominator` (each micro-batch's loss is then its share of the full
@@ -256,13 +324,21 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
   logp_old_BxT = jax.lax.stop_gradient(logp_old_BxT.astype(_F32))
   logp_ref_BxT = jax.lax.stop_gradient(logp_ref_BxT.astype(_F32))
   # Padding may hold garbage: neutralise it before exp so nothing overflows into NaN.
-  log_ratio_BxT = jnp.where(mask_BxT, logp_BxT - logp_old_BxT, 0.0)
+  if cfg.importance_sampling_level == "sequence":
+    log_ratio_BxT = sequence_log_ratio(logp_BxT, logp_old_BxT, mask_BxT)
+  else:
+    log_ratio_BxT = jnp.where(mask_BxT, logp_BxT - logp_old_BxT, 0.0)
   ref_gap_BxT = jnp.where(mask_BxT, logp_ref_BxT - logp_BxT, 0.0)
   adv_BxT = jnp.where(mask_BxT, adv_BxT, 0.0)
 
   rho_BxT = jnp.exp(log_ratio_BxT)
   clipped_BxT = jnp.clip(rho_BxT, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
   surrogate_BxT = jnp.minimum(rho_BxT * adv_BxT, clipped_BxT * adv_BxT)
+  if cfg.top_entropy_quantile < 1.0:
+    if entropy_BxT is None:
+      raise ValueError("loss.top_entropy_quantile < 1 needs the token entropies (entropy_BxT)")
+    selected_BxT = high_entropy_mask(entropy_BxT, mask_BxT, quantile=cfg.top_entropy_quantile)
+    surrogate_BxT = jnp.where(selected_BxT, surrogate_BxT, 0.0)
   kl_BxT = jnp.exp(ref_gap_BxT) - ref_gap_BxT - 1.0
   per_token_BxT = jnp.where(mask_BxT, -(surrogate_BxT - cfg.beta * kl_BxT), 0.0)
 
@@ -303,6 +379,8 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
       "advantage/max": jnp.where(num_tokens > 0, jnp.max(jnp.where(mask_BxT, adv_BxT, -jnp.inf)),
                                  0.0),
   }
+  if cfg.top_entropy_quantile < 1.0:
+    aux["entropy_mask/kept_frac"] = _masked_mean(selected_BxT.astype(_F32), mask_BxT, num_tokens)
   if entropy_BxT is not None:
     aux["entropy"] = jax.lax.stop_gradient(
         _masked_mean(entropy_BxT.astype(_F32), mask_BxT, num_tokens))

@@ -80,6 +80,11 @@ class RewardConfig:
   # gold answer strings). Its value is the reward (and `accuracy`); the weights,
   # fallback and workers above are then unused.
   function: str = ""
+  # DAPO's soft overlong punishment, added to the reward by the trainer: 0 up to
+  # max_new_tokens - overlong_buffer tokens, then falling linearly to
+  # -overlong_penalty_factor at max_new_tokens (`overlong_penalty`). 0: off.
+  overlong_buffer: int = 0
+  overlong_penalty_factor: float = 1.0
 
   def __post_init__(self):
     if self.function:
@@ -97,6 +102,26 @@ class RewardConfig:
     for name in ("accuracy_weight", "format_weight", "format_penalty"):
       if not math.isfinite(getattr(self, name)):
         raise UserError(f"reward.{name}: must be finite, got {getattr(self, name)}")
+    if (isinstance(self.overlong_buffer, bool) or not isinstance(self.overlong_buffer, int)
+        or self.overlong_buffer < 0):
+      raise UserError(f"reward.overlong_buffer: must be an int >= 0, got {self.overlong_buffer!r}")
+    if not (math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0):
+      raise UserError(f"reward.overlong_penalty_factor: must be finite and >= 0, got "
+                       f"{self.overlong_penalty_factor}")
+
+
+def overlong_penalty(lengths_B: np.ndarray, *, max_len: int, buffer: int,
+                     factor: float = 1.0) -> np.ndarray:
+  """DAPO's soft overlong punishment (DAPO eq. 13), float32 [B]; zeros when `buffer` is 0.
+
+  With L_max = `max_len` and L_cache = `buffer`: 0 for |y| <= L_max - L_cache,
+  `((L_max - L_cache) - |y|) / L_cache` up to L_max, -1 beyond; times `factor`.
+  """
+  lengths_B = np.asarray(lengths_B, np.float64)
+  if buffer <= 0:
+    return np.zeros(lengths_B.shape, np.float32)
+  start = max_len - buffer
+  return (factor * np.clip((start - lengths_B) / buffer, -1.0, 0.0)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------
@@ -935,6 +960,7 @@ class RewardResult:
   fast: int = 0  # completions decided by the fast path
   checked: int = 0  # distinct (answer, gold) pairs sent to math-verify
   seconds: float = 0.0  # submit -> result
+  overlong_penalty: np.ndarray | None = None  # float32 [N], included in `reward` (trainer)
 
 
 def _default_workers() -> int:

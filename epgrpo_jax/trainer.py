@@ -30,7 +30,7 @@ from epgrpo_jax.metrics import MetricsWriter, Progress
 from epgrpo_jax.models import (check_vocab, from_pretrained, load_config, load_tokenizer, save_pretrained,
                                stop_token_ids)
 from epgrpo_jax.sharding import make_mesh
-from epgrpo_jax.rewards import RewardScorer, parse_gold
+from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
 from epgrpo_jax.sampling import Sampler, bucket
 from epgrpo_jax.steps import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
 
@@ -52,6 +52,7 @@ class RunState:
   consecutive_skips: int = 0
   skipped_updates: int = 0
   num_tokens: int = 0
+  num_samples: int = 0  # completions sampled (dynamic sampling draws more than P x G a step)
 
   def tree(self) -> dict:
     return {"trainable": self.trainable, "opt_state": self.opt_state,
@@ -59,7 +60,8 @@ class RunState:
 
   def meta(self) -> dict:
     return {"step": self.step, "consecutive_skips": self.consecutive_skips,
-            "skipped_updates": self.skipped_updates, "num_tokens": self.num_tokens}
+            "skipped_updates": self.skipped_updates, "num_tokens": self.num_tokens,
+            "num_samples": self.num_samples}
 
 
 class _StopSignal:
@@ -248,18 +250,26 @@ class Trainer:
   # -- one RL step ------------------------------------------------------------------------
 
   def step(self, state: RunState) -> tuple[RunState, dict[str, float], dict[str, Any]]:
-    """sample -> reward (host, overlapping the scoring pass) -> advantage -> update."""
+    """sample -> reward (host, overlapping the scoring pass) -> advantage -> update.
+
+    With dynamic sampling, rewards come first: `dynamic_round_batch` samples
+    further batches of prompts until P groups have a reward signal (or the
+    rounds run out), then the scoring pass runs on the P groups it keeps.
+    """
     cfg, t = self.cfg, self.cfg.train
     P, G = t.prompts_per_step, t.num_generations
     start = time.perf_counter()
-    # Each process reads its slice of the global batch; all processes see the whole batch.
-    examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
     key, sample_key = jax.random.split(state.key)
 
     # 1. Sample G completions per prompt with the current policy.
-    out = self.sampler.sample(self.params(state.trainable), [e.prompt_ids for e in examples],
-                              num_samples=G, key=sample_key)
-    host = distributed.to_host(out)  # every row on every process
+    rewards, dynamic_metrics, rounds = None, {}, 1
+    if cfg.dynamic_sampling.enabled:
+      batch_round, texts, rewards, dynamic_metrics = self.dynamic_round_batch(
+          state.trainable, sample_key)
+      rounds = int(dynamic_metrics["dynamic/rounds"])
+    else:
+      batch_round = self.sample_round(state.trainable, sample_key)
+    examples, host = batch_round.examples, batch_round
     completion_BxN = host.tokens.reshape(P * G, -1)
     completion_mask_BxN = host.mask.reshape(P * G, -1)
     # Score and train on the used part of the completion buffer only (bucketed, so that
@@ -270,10 +280,15 @@ class Trainer:
     sample_logp_BxN = host.logp.reshape(P * G, -1)[:, :n]
     sample_entropy_BxN = host.entropy.reshape(P * G, -1)[:, :n]
     sample_time = time.perf_counter() - start
+    # DAPO overlong filtering: truncated completions are padding from here on (TRL's order).
+    truncated_B = truncated_rows(completion_BxN, completion_mask_BxN, self.eos_ids)
+    loss_mask_BxN = completion_mask_BxN
+    if cfg.loss.mask_truncated_completions:
+      loss_mask_BxN = completion_mask_BxN & ~truncated_B[:, None]
     rollout = distributed.place(Rollout(
         prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
         prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
-        completion=completion_BxN, completion_mask=completion_mask_BxN), self.shardings.rollout())
+        completion=completion_BxN, completion_mask=loss_mask_BxN), self.shardings.rollout())
 
     # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
     if t.reuse_sampler_logprobs:
@@ -284,9 +299,8 @@ class Trainer:
     else:
       logp_old, entropy, logp_ref = self.fns.score(state.trainable, self.policy.frozen,
                                                    self.policy.reference, rollout)
-    texts = self.decode(completion_BxN, completion_mask_BxN)
-    golds = [self.gold(e) for e in examples for _ in range(G)]
-    rewards = self.scorer.score(texts, golds)
+    if rewards is None:
+      texts, rewards = self.score_rewards(examples, completion_BxN, completion_mask_BxN)
     # Process 0's rewards feed the advantage (a check timing out on one host only cannot split).
     rewards_PxG = distributed.broadcast_from_main(np.asarray(rewards.reward, np.float32).reshape(P, G))
 
@@ -318,13 +332,19 @@ class Trainer:
         trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1,
         consecutive_skips=state.consecutive_skips + 1 if skipped else 0,
         skipped_updates=state.skipped_updates + skipped,
-        num_tokens=state.num_tokens + num_completion_tokens + num_prompt_tokens)
+        num_tokens=state.num_tokens + num_completion_tokens + num_prompt_tokens,
+        num_samples=state.num_samples + rounds * P * G)
     step_time = time.perf_counter() - start
     metrics = step_metrics(
         rewards=rewards, rewards_PxG=np.asarray(rewards_PxG), mask_BxN=completion_mask_BxN,
         entropy=distributed.to_host(entropy), update_metrics=update_metrics,
         adv_metrics=distributed.to_host(adv_metrics), eos_ids=self.eos_ids,
-        completion_BxN=completion_BxN)
+        completion_BxN=completion_BxN, entropy_mask_BxN=loss_mask_BxN)
+    metrics.update(dynamic_metrics)
+    if cfg.loss.mask_truncated_completions:
+      metrics["overlong/masked_frac"] = float(truncated_B.mean())
+    if cfg.reward.overlong_buffer:
+      metrics["overlong/penalty_mean"] = float(rewards.overlong_penalty.mean())
     optimizer_updates = new_state.step * t.num_iterations * t.mini_batches
     metrics.update({
         "learning_rate": float(self.schedule(max(optimizer_updates - 1, 0))),
@@ -337,12 +357,85 @@ class Trainer:
         "train/tokens_per_second": (t.num_iterations * (num_completion_tokens + num_prompt_tokens)
                                     / max(update_time, 1e-9)),
         "skipped_updates": new_state.skipped_updates,
+        "num_samples": new_state.num_samples,
         "reward_timeouts": float(rewards.timeouts),
         "reward_errors": float(rewards.errors),
     })
     record = {"examples": examples, "texts": texts, "rewards": rewards, "rollout": rollout,
               "advantage": adv, "components": comps, "entropy": entropy}
     return new_state, metrics, record
+
+  def sample_round(self, trainable: nnx.State, key: jax.Array) -> SampledRound:
+    """The next batch of P prompts from the data iterator, and G completions of each."""
+    G = self.cfg.train.num_generations
+    # Each process reads its slice of the global batch; all processes see the whole batch.
+    examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
+    out = self.sampler.sample(self.params(trainable), [e.prompt_ids for e in examples],
+                              num_samples=G, key=key)
+    host = distributed.to_host(out)  # every row on every process
+    return SampledRound(examples, host.prompt_ids, host.prompt_mask, host.tokens, host.mask,
+                        host.logp, host.entropy)
+
+  def score_rewards(self, examples: list[data.Example], completion_BxN: np.ndarray,
+                    mask_BxN: np.ndarray) -> tuple[list[str], Any]:
+    """(texts, RewardResult) of the completions; with `reward.overlong_buffer`, the reward
+    includes DAPO's soft overlong punishment (also kept apart as `overlong_penalty`)."""
+    G = self.cfg.train.num_generations
+    texts = self.decode(completion_BxN, mask_BxN)
+    golds = [self.gold(e) for e in examples for _ in range(G)]
+    rewards = self.scorer.score(texts, golds)
+    r = self.cfg.reward
+    if r.overlong_buffer:
+      penalty_B = overlong_penalty(mask_BxN.sum(axis=1), max_len=self.cfg.sampling.max_new_tokens,
+                                   buffer=r.overlong_buffer, factor=r.overlong_penalty_factor)
+      rewards = dataclasses.replace(rewards, reward=np.asarray(rewards.reward, np.float32)
+                                    + penalty_B, overlong_penalty=penalty_B)
+    return texts, rewards
+
+  def dynamic_round_batch(self, trainable: nnx.State, sample_key: jax.Array):
+    """DAPO dynamic sampling: `(round, texts, rewards, metrics)` for P groups.
+
+    Round 0 samples with `sample_key` (what a step without dynamic sampling
+    samples); extra round r with `fold_in(sample_key, r)` on the next batch of
+    P prompts of the data iterator, until P groups with a reward signal are in
+    hand or `dynamic_sampling.max_extra_rounds` are spent. `select_groups`
+    then keeps P groups (see there); every round has the step's shapes, so
+    nothing recompiles. The data iterator's position (checkpointed) counts
+    every round.
+    """
+    cfg = self.cfg
+    P, G = cfg.train.prompts_per_step, cfg.train.num_generations
+    rounds, texts, results, signal = [], [], [], []
+    for r in range(1 + cfg.dynamic_sampling.max_extra_rounds):
+      key = sample_key if r == 0 else jax.random.fold_in(sample_key, r)
+      rnd = self.sample_round(trainable, key)
+      text, result = self.score_rewards(rnd.examples, rnd.tokens.reshape(P * G, -1),
+                                        rnd.mask.reshape(P * G, -1))
+      # Every process selects the same groups: process 0's rewards decide.
+      result.reward = distributed.broadcast_from_main(
+          np.asarray(result.reward, np.float32).reshape(P, G)).reshape(-1)
+      rounds.append(rnd)
+      texts.append(text)
+      results.append(result)
+      signal.append(group_has_signal(result.reward.reshape(P, G), cfg.advantage.zero_std_tol))
+      if np.concatenate(signal).sum() >= P:
+        break
+    has_signal = np.concatenate(signal)
+    keep = select_groups(has_signal, P)
+    batch = merge_rounds(rounds, keep, self.pad_id)
+    flat = lambda lists: [x for sub in lists for x in sub]
+    all_texts = flat(texts)
+    kept_texts = [all_texts[g * G + i] for g in keep for i in range(G)]
+    rewards = merge_rewards(results, keep, G)
+    kept_signal = int(has_signal[keep].sum())
+    metrics = {
+        "dynamic/rounds": float(len(rounds)),
+        "dynamic/extra_prompts": float((len(rounds) - 1) * P),
+        "dynamic/dropped_groups": float((~has_signal).sum() - (P - kept_signal)),
+        "dynamic/filled_zero_variance_groups": float(P - kept_signal),
+        "dynamic/surplus_signal_groups": float(has_signal.sum() - kept_signal),
+    }
+    return batch, kept_texts, rewards, metrics
 
   # -- helpers ----------------------------------------------------------------------------
 
@@ -492,14 +585,85 @@ class AdvantageProgram:
     return program(*(distributed.put(x, groups) for x in args))
 
 
-def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv_metrics, eos_ids,
-                 completion_BxN) -> dict[str, float]:
-  """Per-step metrics with TRL's names where TRL has the metric."""
+@dataclasses.dataclass
+class SampledRound:
+  """One sampled batch on the host: P prompts and G completions of each."""
+
+  examples: list  # [P] data.Example
+  prompt_ids: np.ndarray  # [P, Tp] left-padded
+  prompt_mask: np.ndarray  # [P, Tp]
+  tokens: np.ndarray  # [P, G, N]
+  mask: np.ndarray  # [P, G, N]
+  logp: np.ndarray  # [P, G, N]
+  entropy: np.ndarray  # [P, G, N]
+
+
+def truncated_rows(completion_BxN: np.ndarray, mask_BxN: np.ndarray, eos_ids) -> np.ndarray:
+  """bool [B]: completions that did not end with a stop token (cut at max_new_tokens)."""
   lengths = mask_BxN.sum(axis=1)
   last = np.take_along_axis(completion_BxN, np.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-  ended = (lengths > 0) & np.isin(last, list(eos_ids))
+  return ~((lengths > 0) & np.isin(last, list(eos_ids)))
+
+
+def group_has_signal(rewards_PxG: np.ndarray, zero_std_tol: float) -> np.ndarray:
+  """bool [P]: groups whose rewards are not all equal (ddof=1 std >= the advantage's tolerance)."""
+  r = np.asarray(rewards_PxG, np.float64)
+  if r.shape[1] < 2:
+    return np.zeros(r.shape[0], bool)
+  return r.std(axis=1, ddof=1) >= zero_std_tol
+
+
+def select_groups(has_signal_R: np.ndarray, size: int) -> np.ndarray:
+  """The `size` groups a dynamic-sampling step trains on, as sorted indices into the R drawn.
+
+  The first `size` groups with a signal in draw order; when fewer were drawn,
+  the batch is filled with the earliest zero-variance groups (their outcome
+  advantage is 0; EP-GRPO's anchor can still use them), so its shape is static.
+  """
+  signal = np.flatnonzero(has_signal_R)[:size]
+  fill = np.flatnonzero(~np.asarray(has_signal_R, bool))[:size - len(signal)]
+  return np.sort(np.concatenate([signal, fill])).astype(np.int64)
+
+
+def merge_rounds(rounds: list[SampledRound], keep: np.ndarray, pad_id: int) -> SampledRound:
+  """The groups `keep` (indices into the rounds' groups, concatenated) as one round; prompts
+  are left-padded to the widest round's prompt width."""
+  width = max(r.prompt_ids.shape[1] for r in rounds)
+  pad = lambda a, value: np.pad(a, ((0, 0), (width - a.shape[1], 0)), constant_values=value)
+  cat = lambda get: np.concatenate([get(r) for r in rounds])[keep]
+  examples = [e for r in rounds for e in r.examples]
+  return SampledRound(examples=[examples[i] for i in keep],
+                      prompt_ids=cat(lambda r: pad(r.prompt_ids, pad_id)),
+                      prompt_mask=cat(lambda r: pad(r.prompt_mask, False)),
+                      tokens=cat(lambda r: r.tokens), mask=cat(lambda r: r.mask),
+                      logp=cat(lambda r: r.logp), entropy=cat(lambda r: r.entropy))
+
+
+def merge_rewards(results: list, keep: np.ndarray, G: int):
+  """The RewardResult of the groups `keep` of the rounds' results (counts summed over all)."""
+  rows = (keep[:, None] * G + np.arange(G)[None, :]).reshape(-1)
+  cat = lambda name: np.concatenate([np.asarray(getattr(r, name)) for r in results])[rows]
+  pick = lambda name: [x for r in results for x in getattr(r, name)]
+  answers, status = pick("answers"), pick("status")
+  merged = dataclasses.replace(
+      results[0], reward=cat("reward"), accuracy=cat("accuracy"), format=cat("format"),
+      answers=[answers[i] for i in rows], status=[status[i] for i in rows],
+      **{k: sum(getattr(r, k) for r in results)
+         for k in ("timeouts", "errors", "fast", "checked", "seconds")})
+  if results[0].overlong_penalty is not None:
+    merged.overlong_penalty = cat("overlong_penalty")
+  return merged
+
+
+def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv_metrics, eos_ids,
+                 completion_BxN, entropy_mask_BxN=None) -> dict[str, float]:
+  """Per-step metrics with TRL's names where TRL has the metric.
+
+  `entropy_mask_BxN` (default `mask_BxN`): the tokens the entropy mean is over."""
+  lengths = mask_BxN.sum(axis=1)
+  ended = ~truncated_rows(completion_BxN, mask_BxN, eos_ids)
   group_std = rewards_PxG.std(axis=1, ddof=1) if rewards_PxG.shape[1] > 1 else np.zeros(len(rewards_PxG))
-  n_tok = max(mask_BxN.sum(), 1)
+  entropy_mask_BxN = mask_BxN if entropy_mask_BxN is None else entropy_mask_BxN
   mean_update = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
   out = {
       "reward": float(rewards_PxG.mean()),
@@ -511,7 +675,8 @@ def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv
       "completions/min_length": float(lengths.min()),
       "completions/max_length": float(lengths.max()),
       "completions/clipped_ratio": float(1.0 - ended.mean()),
-      "entropy": float(np.where(mask_BxN, entropy, 0.0).sum() / n_tok),
+      "entropy": float(np.where(entropy_mask_BxN, entropy, 0.0).sum()
+                       / max(entropy_mask_BxN.sum(), 1)),
       "kl": mean_update["kl"],
       "clip_ratio/low_mean": mean_update["clip_ratio/low_mean"],
       "clip_ratio/high_mean": mean_update["clip_ratio/high_mean"],
@@ -519,6 +684,8 @@ def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv
       "grad_norm": mean_update["grad_norm"],
       "loss": mean_update["loss"],
   }
+  if "entropy_mask/kept_frac" in mean_update:
+    out["entropy_mask/kept_frac"] = mean_update["entropy_mask/kept_frac"]
   out.update({k: float(v) for k, v in adv_metrics.items()})
   return out
 
@@ -548,7 +715,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     progress = Progress(t.steps, "train", initial=state.step, enabled=cfg.logging.progress and
                         trainer.is_main)
     with _StopSignal() as stop:
-      while state.step < t.steps:
+      while state.step < t.steps and not (t.max_samples and state.num_samples >= t.max_samples):
         state, metrics, record = trainer.step(state)
         if state.consecutive_skips:
           log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row, %d in all)",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -90,3 +92,48 @@ def tiny_hf_dir(tmp_path: str | Path, *, name: str = "tiny-qwen2", seed: int = 0
   tok_dir = Path(tokenizer) if tokenizer else None
   save_pretrained(model, directory, tokenizer_dir=tok_dir, max_shard_bytes=max_shard_bytes)
   return directory
+
+
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # also fires on persistent-cache hits
+
+
+class Events:
+  """Counts jit tracings and XLA executable builds while installed."""
+
+  def __init__(self):
+    self.traces = self.compiles = 0
+    self._lock = threading.Lock()
+
+  def _listener(self, event: str, duration: float, **_) -> None:
+    with self._lock:
+      if event == TRACE_EVENT:
+        self.traces += 1
+      elif event == COMPILE_EVENT:
+        self.compiles += 1
+
+  def __enter__(self) -> "Events":
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def arithmetic_task(directory: str | Path):
+  """The embedded arithmetic task, small: a random-init tiny model with its tokenizer and splits."""
+  from epgrpo_jax.tasks import arithmetic
+  return arithmetic.build_assets(directory, seed=0, train_per_level=60, heldout_per_level=4,
+                                 verbose=False)
+
+
+def rl_step_config(task, out_dir: str | Path, *overrides: str):
+  """A TrainConfig of 4 prompts x 4 completions of up to 16 tokens on `arithmetic_task`,
+  LoRA rank 4, no progress bar, TensorBoard or sample dumps; then `overrides`."""
+  from epgrpo_jax.config import TrainConfig
+  return TrainConfig().override(
+      f"model.path={task.model_dir}", f"data.train_files=[{task.train_file}]",
+      "data.prompt_template='{problem}'", "train.prompts_per_step=4",
+      "train.num_generations=4", "sampling.max_new_tokens=16", "lora.rank=4",
+      f"train.output_dir={out_dir}", "logging.progress=false", "logging.tensorboard=false",
+      "logging.samples_every=0", *overrides)

@@ -28,13 +28,33 @@ def test_variant_configs_resolve_to_their_switches(variant):
   expected_g = 10 if variant.name == "more_rollouts" else default.train.num_generations
   assert cfg.sampling.temperature == expected_t
   assert cfg.train.num_generations == expected_g
-  # Everything but the advantage switches, T, G and the output directory equals EP-GRPO's.
+  # Everything but the advantage switches, T, G, the output directory and each rival row's
+  # own options equals EP-GRPO's.
+  own = RIVAL_OPTIONS.get(variant.name, {})
   def rest(c):
     d = configlib.to_dict(c)
     del d["advantage"], d["sampling"]["temperature"], d["train"]["num_generations"]
     del d["train"]["output_dir"]
+    for key in own:
+      section, name = key.split(".")
+      del d[section][name]
     return d
   assert rest(cfg) == rest(default.override("train.steps=7"))
+  for key, value in own.items():
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == value, key
+
+
+RIVAL_OPTIONS = {
+    "entropy_top20": {"loss.top_entropy_quantile": 0.2},
+    "dapo_dynamic": {"dynamic_sampling.enabled": True, "dynamic_sampling.max_extra_rounds": 2},
+    "dapo_dynamic_samples": {"dynamic_sampling.enabled": True,
+                             "dynamic_sampling.max_extra_rounds": 2},
+    "gspo": {"loss.importance_sampling_level": "sequence", "loss.eps_low": 3e-4,
+             "loss.eps_high": 4e-4, "loss.aggregation": "seq_mean_token_mean"},
+    "overlong_mask": {"loss.mask_truncated_completions": True},
+    "overlong_penalty": {"reward.overlong_buffer": 16, "reward.overlong_penalty_factor": 1.0},
+}
 
 
 def test_variant_config_rejects_wrong_switches():
@@ -58,6 +78,19 @@ def test_check_plan_requires_the_same_budget(tmp_path):
                                                str(tmp_path / "cfg")]))
   with pytest.raises(ConfigError, match="train.steps: differs"):
     compare.check_plan(plan)
+
+
+def test_same_sample_budget_row_and_quick_rows(tmp_path):
+  plan = compare.make_plan(compare.parse_args(["--variants", "grpo,dapo_dynamic_samples",
+                                               "--steps", "5", "--out", str(tmp_path)]))
+  cfgs = compare.check_plan(plan)
+  assert cfgs[("grpo", 1)].train.max_samples == 0
+  assert cfgs[("dapo_dynamic_samples", 1)].train.max_samples == 5 * 8 * 8  # steps x P x G
+  quick = compare.make_plan(compare.parse_args(["--quick", "--out", str(tmp_path)]))
+  cfgs = compare.check_plan(quick)  # the rival rows' single step is not a budget mismatch
+  assert {n: c.train.steps for (n, _), c in cfgs.items()} == {
+      n: 3 if n in ("grpo", "epgrpo") else 1 for n in compare.QUICK_VARIANTS}
+  assert cfgs[("dapo_dynamic_samples", 1)].train.max_samples == 8 * 8
 
 
 def test_zero_variance_stats_and_difference():
@@ -90,21 +123,27 @@ def test_quick_comparison_writes_report_and_resumes(tmp_path, capsys):
   argv = ["--quick", "--out", str(out), f"embedded.data_dir={tmp_path / 'data'}", *QUICK_ARGS]
   assert compare.main(argv) == 0
   results = {}
+  assert set(RIVAL_OPTIONS) < set(compare.QUICK_VARIANTS)  # the rival rows run in CI
   for name in compare.QUICK_VARIANTS:
     path = out / "runs" / name / "seed1" / "result.json"
     results[name] = json.loads(path.read_text())
     r = results[name]
-    assert r["steps"] == 3 and r["seed"] == 1
+    steps = 3 if name in ("grpo", "epgrpo") else 1  # the rival rows: one step in --quick
+    assert r["steps"] == steps and r["seed"] == 1
     for key in compare.EVAL_KEYS:
       assert 0.0 <= r["heldout_after"][key] <= 1.0, key
     assert 0.0 <= r["zero_variance"]["steps_with_zero_variance"] <= 1.0
-    assert r["logged_steps"] == 3
+    assert r["logged_steps"] == steps
+  dynamic = results["dapo_dynamic"]["rival"]
+  assert dynamic["dynamic/extra_prompts"] in (0, 4, 8)  # P = 4 prompts per extra round
+  assert dynamic["num_samples"] == 16 * (1 + dynamic["dynamic/extra_prompts"] / 4)
+  assert 0 < results["entropy_top20"]["rival"]["entropy_mask/kept_frac"] <= 1
   assert results["grpo"]["heldout_before"] is not None
   assert results["epgrpo"]["heldout_before"] is None
   assert results["grpo"]["model_path"] == results["epgrpo"]["model_path"]  # one warm start
 
   summary = json.loads((out / "summary.json").read_text())
-  assert set(summary["variants"]) == {"grpo", "epgrpo"}
+  assert set(summary["variants"]) == set(compare.QUICK_VARIANTS)
   acc = summary["variants"]["epgrpo"]["eval"]["accuracy"]
   assert acc["n"] == 1 and acc["mean"] == pytest.approx(results["epgrpo"]["heldout_after"]["accuracy"])
 
@@ -117,6 +156,7 @@ def test_quick_comparison_writes_report_and_resumes(tmp_path, capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert all(number.match(c) for c in cells[1:6]), row
   assert "Zero-variance statistics" in report and "58.77%" in report
+  assert "## Rival methods (issue 25)" in report and "| GSPO |" in report
   png = out / "curves" / "curves.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert (out / "curves" / "frac_reward_zero_std.png").is_file()
@@ -126,7 +166,7 @@ def test_quick_comparison_writes_report_and_resumes(tmp_path, capsys):
   capsys.readouterr()
   assert compare.main(argv) == 0
   printed = capsys.readouterr().out
-  assert printed.count("done already") == 2 and "training" not in printed
+  assert printed.count("done already") == len(results) and "training" not in printed
   assert {n: (out / "runs" / n / "seed1" / "result.json").stat().st_mtime_ns
           for n in results} == mtimes
   assert np.isclose(json.loads((out / "summary.json").read_text())["variants"]["epgrpo"]["eval"]

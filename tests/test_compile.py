@@ -2,39 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import pytest
 
-from epgrpo_jax.config import TrainConfig
-from epgrpo_jax.tasks import arithmetic
 from epgrpo_jax.trainer import Trainer
 
-TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # also fires on persistent-cache hits
-
-
-class Events:
-  """Counts jit tracings and XLA executable builds while installed."""
-
-  def __init__(self):
-    self.traces = self.compiles = 0
-    self._lock = threading.Lock()
-
-  def _listener(self, event: str, duration: float, **_) -> None:
-    with self._lock:
-      if event == TRACE_EVENT:
-        self.traces += 1
-      elif event == COMPILE_EVENT:
-        self.compiles += 1
-
-  def __enter__(self) -> "Events":
-    jax.monitoring.register_event_duration_secs_listener(self._listener)
-    return self
-
-  def __exit__(self, *exc) -> None:
-    jax.monitoring.unregister_event_duration_listener(self._listener)
+from helpers import Events, arithmetic_task, rl_step_config
 
 
 def parity(completions: list[str], answers: list[str]) -> list[float]:
@@ -44,17 +17,12 @@ def parity(completions: list[str], answers: list[str]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-  return arithmetic.build_assets(tmp_path_factory.mktemp("arith"), seed=0, train_per_level=60,
-                                 heldout_per_level=4, verbose=False)
+  return arithmetic_task(tmp_path_factory.mktemp("arith"))
 
 
 def test_second_and_third_steps_compile_nothing(task, tmp_path):
-  cfg = TrainConfig().override(
-      f"model.path={task.model_dir}", f"data.train_files=[{task.train_file}]",
-      "data.prompt_template='{problem}'", "train.steps=10", "train.prompts_per_step=4",
-      "train.num_generations=4", "sampling.max_new_tokens=16", "lora.rank=4",
-      f"reward.function={__name__}:parity", f"train.output_dir={tmp_path / 'run'}",
-      "logging.progress=false", "logging.tensorboard=false", "logging.samples_every=0")
+  cfg = rl_step_config(task, tmp_path / "run", "train.steps=10",
+                       f"reward.function={__name__}:parity")
   trainer = Trainer(cfg)
   try:
     state = trainer.initial_state()

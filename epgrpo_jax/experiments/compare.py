@@ -5,12 +5,13 @@
         [key=value ...]
 
 Trains every variant (GRPO, Higher Temp, More Rollouts, +EG, +IPS, +EG+IPS,
-+IPS+ZVD, EP-GRPO) for each of N seeds (`train.seed` = first seed + i) from the
-same warm-started model and data with the same step budget, each by calling
-`epgrpo_jax.trainer.train` on `configs/<variant>.yaml` (EP-GRPO:
-`configs/default.yaml`) plus the shared `key=value` overrides. Each final
-policy is evaluated on the held-out set by the trainer (16 samples per
-problem, temperature `eval.temperature`): Acc, Fmt, pass@4/8/16.
++IPS+ZVD, EP-GRPO, and the rival rows below) for each of N seeds
+(`train.seed` = first seed + i) from the same warm-started model and data with
+the same step budget, each by calling `epgrpo_jax.trainer.train` on
+`configs/<variant>.yaml` (EP-GRPO: `configs/default.yaml`) plus the shared
+`key=value` overrides. Each final policy is evaluated on the held-out set by
+the trainer (16 samples per problem, temperature `eval.temperature`): Acc,
+Fmt, pass@4/8/16.
 
 Writes under OUT (default runs/compare):
   runs/<variant>/seed<s>/     the run directory; `result.json` there marks it finished
@@ -21,7 +22,15 @@ Writes under OUT (default runs/compare):
 
 Resumable: a (variant, seed) whose result.json exists is not run again; one
 killed part-way resumes from its last checkpoint (or restarts if it has none).
-`--quick` (CI) runs GRPO and EP-GRPO, one seed, three steps, a 16-problem eval.
+
+The rival methods of issue 25 are rows too, each on GRPO's advantage: 80/20
+token selection, DAPO dynamic sampling at the same step budget and at the
+same sample budget (`Variant.same_samples`), GSPO, DAPO overlong filtering and
+soft overlong punishment ("Rival methods" table of the report).
+
+`--quick` (CI) runs GRPO and EP-GRPO for three steps and the rival rows for one
+step each (without the Table II baselines and the Table IV ablations), one
+seed, a 16-problem eval: a check of the pipeline, not of the result.
 """
 
 from __future__ import annotations
@@ -55,6 +64,9 @@ class Variant:
   label: str  # table label (the paper's name)
   config: str  # file in the config directory
   advantage: str  # key of `advantages.VARIANTS` that the config's switches must equal
+  # Stop at the completions a plain step budget samples (train.max_samples = steps x P x G):
+  # a method that samples more per step (dynamic sampling) then gets the same sample budget.
+  same_samples: bool = False
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -66,13 +78,25 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("eg_ips", "+EG+IPS", "eg_ips.yaml", "eg_ips"),
     Variant("ips_zvd", "+IPS+ZVD", "ips_zvd.yaml", "ips_zvd"),
     Variant("epgrpo", "EP-GRPO", "default.yaml", "epgrpo"),
+    # The other fixes of entropy and zero-variance groups (issue 25), each on GRPO's advantage.
+    Variant("entropy_top20", "80/20 (top-20% entropy tokens)", "entropy_top20.yaml", "grpo"),
+    Variant("dapo_dynamic", "DAPO dynamic sampling (same steps)", "dapo_dynamic.yaml", "grpo"),
+    Variant("dapo_dynamic_samples", "DAPO dynamic sampling (same samples)", "dapo_dynamic.yaml",
+            "grpo", same_samples=True),
+    Variant("gspo", "GSPO", "gspo.yaml", "grpo"),
+    Variant("overlong_mask", "DAPO overlong filtering", "overlong_mask.yaml", "grpo"),
+    Variant("overlong_penalty", "DAPO soft overlong punishment", "overlong_penalty.yaml", "grpo"),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 TABLE_II = ("grpo", "higher_temp", "more_rollouts", "epgrpo")
 TABLE_IV = ("grpo", "eg", "ips", "eg_ips", "ips_zvd", "epgrpo")
+RIVALS = ("grpo", "entropy_top20", "dapo_dynamic", "dapo_dynamic_samples", "gspo",
+          "overlong_mask", "overlong_penalty", "epgrpo")
 BASELINE = "grpo"
-QUICK_VARIANTS = ("grpo", "epgrpo")
+QUICK_VARIANTS = ("grpo", "epgrpo", "entropy_top20", "dapo_dynamic", "dapo_dynamic_samples",
+                  "gspo", "overlong_mask", "overlong_penalty")
 # `--quick`: checks the pipeline, not the result. Applied before the user's overrides.
+QUICK_ROW_OVERRIDES = ("train.steps=1",)  # `--quick`: the rival rows, after the shared ones
 QUICK_OVERRIDES = ("train.steps=3", "data.heldout_limit=16", "logging.progress=false",
                    "logging.tensorboard=false", "logging.samples_every=0")
 EVAL_KEYS = ("accuracy", "format", "pass@4", "pass@8", "pass@16")
@@ -87,6 +111,14 @@ DIAG_KEYS = (("ep/gate_mean", "gate W mean"), ("ep/gate_std", "gate W std"),
              ("ep/outcome_adv_abs_mean", "mean abs A outcome"),
              ("ep/progress_adv_abs_mean", "mean abs A progress"),
              ("kl", "KL"), ("entropy", "entropy"), ("completions/mean_length", "length"))
+# Per-step statistics of the rival methods (issue 25), means over the training steps.
+RIVAL_KEYS = (("num_samples", "completions sampled (run)"),
+              ("dynamic/extra_prompts", "extra prompts / step"),
+              ("dynamic/dropped_groups", "dropped groups / step"),
+              ("dynamic/filled_zero_variance_groups", "zero-variance fill / step"),
+              ("entropy_mask/kept_frac", "tokens with a PG term"),
+              ("completions/clipped_ratio", "truncated"),
+              ("overlong/penalty_mean", "overlong penalty"))
 PAPER_NOTE = ("Paper (Qwen2.5-3B, MATH, G=8): 58.77% of GRPO training steps contained a "
               "zero-variance group; EP-GRPO beat GRPO by +4.79 points of average Acc (Table II).")
 
@@ -114,9 +146,10 @@ def variant_config(variant: Variant, overrides: Sequence[str] = (),
 
 
 def run_overrides(variant: Variant, seed: int, run_dir: Path, *, eval_samples: int,
-                  steps: int | None, shared: Sequence[str]) -> list[str]:
-  """The overrides of one (variant, seed) run: the shared ones, then the run's own."""
-  own = [f"train.seed={seed}", f"train.output_dir={run_dir}", f"eval.samples={eval_samples}",
+                  steps: int | None, shared: Sequence[str],
+                  row: Sequence[str] = ()) -> list[str]:
+  """The overrides of one (variant, seed) run: the shared ones, the row's, then the run's own."""
+  own = [*row, f"train.seed={seed}", f"train.output_dir={run_dir}", f"eval.samples={eval_samples}",
          "eval.after=true", f"eval.before={str(variant.name == BASELINE).lower()}"]
   if steps is not None:
     own.append(f"train.steps={steps}")
@@ -157,9 +190,13 @@ def run_statistics(records: Sequence[dict]) -> dict[str, Any]:
   """Zero-variance statistics, mean diagnostics and first/last-quarter reward of a run."""
   steps = step_records(records)
   q = max(len(steps) // 4, 1)
+  rival = {key: _mean(steps, key) for key, _ in RIVAL_KEYS}
+  rival["num_samples"] = float(steps[-1]["num_samples"]) if steps and "num_samples" in steps[-1] \
+      else None
   return {
       "zero_variance": zero_variance_stats(steps),
       "diagnostics": {key: _mean(steps, key) for key, _ in DIAG_KEYS},
+      "rival": rival,
       "train_reward_first_quarter": _mean(steps[:q], "reward"),
       "train_reward_last_quarter": _mean(steps[-q:], "reward"),
       "logged_steps": len(steps),
@@ -183,19 +220,29 @@ class Plan:
   eval_samples: int
   shared: tuple[str, ...]
   config_dir: Path
+  rows: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (variant name, its own overrides)
 
   def run_dir(self, variant: Variant, seed: int) -> Path:
     return self.out / "runs" / variant.name / f"seed{seed}"
 
   def config(self, variant: Variant, seed: int) -> TrainConfig:
-    return variant_config(variant, run_overrides(
+    cfg = variant_config(variant, run_overrides(
         variant, seed, self.run_dir(variant, seed), eval_samples=self.eval_samples,
-        steps=self.steps, shared=self.shared), self.config_dir)
+        steps=self.steps, shared=self.shared, row=dict(self.rows).get(variant.name, ())),
+        self.config_dir)
+    if variant.same_samples:
+      t = cfg.train
+      cfg = cfg.override(f"train.max_samples={t.steps * t.prompts_per_step * t.num_generations}")
+    return cfg
 
 
 def check_plan(plan: Plan) -> dict[tuple[str, int], TrainConfig]:
-  """Every run's config, checked to share the step budget, model and data (before any work)."""
+  """Every run's config, checked to share the step budget, model and data (before any work).
+
+  Rows with their own overrides (`--quick`'s rival rows) are exempt from the step budget.
+  """
   cfgs = {(v.name, s): plan.config(v, s) for v in plan.variants for s in plan.seeds}
+  own = dict(plan.rows)
   for field, get in (("train.steps", lambda c: c.train.steps),
                      ("model.path", lambda c: c.model.path),
                      ("embedded", lambda c: c.embedded),
@@ -204,7 +251,7 @@ def check_plan(plan: Plan) -> dict[tuple[str, int], TrainConfig]:
                      ("data.heldout_limit", lambda c: c.data.heldout_limit),
                      ("train.prompts_per_step", lambda c: c.train.prompts_per_step),
                      ("eval", lambda c: dataclasses.replace(c.eval, before=False))):
-    values = {k: get(c) for k, c in cfgs.items()}
+    values = {k: get(c) for k, c in cfgs.items() if field != "train.steps" or k[0] not in own}
     if len(set(map(repr, values.values()))) > 1:
       detail = ", ".join(f"{n}/seed{s}: {v}" for (n, s), v in list(values.items())[:4])
       raise configlib.ConfigError(f"{field}: differs between the variants ({detail}); the "
@@ -287,6 +334,8 @@ def aggregate(results: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
     agg["zero_variance"] = {k: mean_std([r["zero_variance"].get(k) for r in runs])
                             for k, _ in ZV_KEYS}
     agg["diagnostics"] = {k: mean_std([r["diagnostics"].get(k) for r in runs]) for k, _ in DIAG_KEYS}
+    agg["rival"] = {k: mean_std([r.get("rival", {}).get(k) for r in runs]) for k, _ in RIVAL_KEYS}
+    agg["steps"] = mean_std([r.get("steps") for r in runs])
     agg["seconds"] = mean_std([r["seconds"] for r in runs])
     agg["cpu_seconds"] = mean_std([r.get("cpu_seconds") for r in runs])
     agg["train_reward_first_quarter"] = mean_std([r["train_reward_first_quarter"] for r in runs])
@@ -389,7 +438,25 @@ def write_report(plan: Plan, results: dict[str, list[dict]], curves: dict[str, P
   table_iv = [n for n in TABLE_IV if n in names]
   L += ["## Main comparison (shape of Table II)", "", *eval_table(agg, table_ii, before=before), ""]
   L += ["## Ablation (shape of Table IV)", "", *eval_table(agg, table_iv, switches=True), ""]
-  others = [n for n in names if n not in TABLE_II and n not in TABLE_IV]
+  rivals = [n for n in RIVALS if n in names]
+  if any(n not in TABLE_II and n not in TABLE_IV for n in rivals):
+    L += ["## Rival methods (issue 25)", "",
+          "Other fixes of the same two problems, each on GRPO's advantage with every EP-GRPO "
+          "switch off: high-entropy token selection (80/20), DAPO dynamic sampling at the same "
+          "step budget and at the same sample budget (the run stops once it has sampled as many "
+          "completions as the step budget gives GRPO), GSPO, DAPO overlong filtering and soft "
+          "overlong punishment.", "", *eval_table(agg, rivals), ""]
+    head = ["Method", "steps run"] + [label for _, label in RIVAL_KEYS]
+    L += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in rivals:
+      if name in agg:
+        a = agg[name]
+        digits = lambda k: 0 if k == "num_samples" else 3
+        row = [a["label"], _num(a["steps"], 1)] + [_num(a["rival"][k], digits(k))
+                                                   for k, _ in RIVAL_KEYS]
+        L.append("| " + " | ".join(row) + " |")
+    L.append("")
+  others = [n for n in names if n not in TABLE_II and n not in TABLE_IV and n not in RIVALS]
   if others:
     L += ["## Other variants", "", *eval_table(agg, others), ""]
   L += ["## Zero-variance statistics (Fig 2c/d)", "",
@@ -484,7 +551,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, help="RL steps of every run (default: the configs' train.steps)")
   p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem")
   p.add_argument("--config-dir", default=str(CONFIG_DIR), help="where the variant YAML files are")
-  p.add_argument("--quick", action="store_true", help="CI setting: 2 variants, 1 seed, 3 steps")
+  p.add_argument("--quick", action="store_true",
+                 help="CI setting: GRPO, EP-GRPO (3 steps) and the rival rows (1 step), 1 seed")
   p.add_argument("--report-only", action="store_true", help="only rebuild the report from results")
   p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
   p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -508,10 +576,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def make_plan(args: argparse.Namespace) -> Plan:
   shared = (*QUICK_OVERRIDES, *args.overrides) if args.quick else tuple(args.overrides)
+  rows = (tuple((n, QUICK_ROW_OVERRIDES) for n in args.variants if n not in ("grpo", "epgrpo"))
+          if args.quick and args.steps is None else ())
   return Plan(out=Path(args.out), variants=tuple(BY_NAME[n] for n in args.variants),
               seeds=tuple(args.first_seed + i for i in range(args.seeds)), steps=args.steps,
               eval_samples=args.eval_samples, shared=tuple(shared),
-              config_dir=Path(args.config_dir))
+              config_dir=Path(args.config_dir), rows=rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
