@@ -137,14 +137,8 @@ def gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBa
 
 
 def apply_gradients(tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
-                    loss: jax.Array, aux: dict, grads: nnx.State,
-                    grad_fault: jax.Array | None = None):
-  """The optimizer step; skipped (states unchanged) if the loss or a gradient is not finite.
-
-  `grad_fault` (tests only) is added to the gradients.
-  """
-  if grad_fault is not None:
-    grads = jax.tree.map(lambda g: g + grad_fault.astype(g.dtype), grads)
+                    loss: jax.Array, aux: dict, grads: nnx.State):
+  """The optimizer step; skipped (states unchanged) if the loss or a gradient is not finite."""
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt_state = tx.update(grads, opt_state, trainable)
@@ -158,11 +152,11 @@ def apply_gradients(tx: optax.GradientTransformation, trainable: nnx.State, opt_
 
 def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
            frozen: nnx.State, batch: UpdateBatch, *, loss_cfg: losses.LossConfig,
-           temperature: float, on_policy: bool, grad_fault: jax.Array | None = None):
+           temperature: float, on_policy: bool):
   """One optimizer update with the clipped-surrogate loss: `gradients`, then `apply_gradients`."""
   loss, aux, grads = gradients(graphdef, trainable, frozen, batch, loss_cfg=loss_cfg,
                                temperature=temperature, on_policy=on_policy)
-  return apply_gradients(tx, trainable, opt_state, loss, aux, grads, grad_fault)
+  return apply_gradients(tx, trainable, opt_state, loss, aux, grads)
 
 
 def split_rows(batch: UpdateBatch, parts: int) -> list[UpdateBatch]:
@@ -173,38 +167,60 @@ def split_rows(batch: UpdateBatch, parts: int) -> list[UpdateBatch]:
   return [jax.tree.map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(parts)]
 
 
-def combine_gradients(parts: list[tuple[jax.Array, dict, nnx.State]]):
-  """One update's (loss, aux, grads) from those of its micro-batches (gradient accumulation).
+def accumulated_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBatch,
+                          *, micro_batches: int, loss_cfg: losses.LossConfig, temperature: float,
+                          on_policy: bool):
+  """(loss, aux, grads) of `batch` computed as `micro_batches` row slices in turn (gradient
+  accumulation): equal to one pass over the batch, with a k-th of its activation memory.
 
-  Each micro-batch's loss is its numerator over its own denominator
-  (`losses.policy_loss`), so weighting loss and gradients by the denominators
-  gives exactly the full batch's. Metrics: sums for the counts, min/max for
-  the extremes, the pooled std for `advantage/std`, token-weighted means
-  for the rest.
+  The gradients are one running sum in a `lax.scan` (memory of one gradient, whatever k). Each
+  slice's loss is its numerator over its own denominator (`losses.policy_loss`), so weighting
+  by the denominators gives exactly the full batch's loss and gradients. Slice i takes rows
+  i, i + k, ...: on a mesh each device keeps its own rows.
   """
-  den = jnp.stack([aux["loss_denominator"] for _, aux, _ in parts])
-  share = den / jnp.maximum(jnp.sum(den), 1e-8)
-  loss = sum(w * l for w, (l, _, _) in zip(share, parts))
-  grads = jax.tree.map(lambda *g: sum(w * x for w, x in zip(share, g)), *(p[2] for p in parts))
-  auxes = [aux for _, aux, _ in parts]
-  tokens = jnp.stack([a["num_tokens"] for a in auxes])
+  grad_fn = functools.partial(gradients, graphdef, loss_cfg=loss_cfg, temperature=temperature,
+                              on_policy=on_policy)
+  if micro_batches == 1:
+    return grad_fn(trainable, frozen, batch)
+  k = micro_batches
+  slices = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1),
+                        batch)
+
+  def body(carry, micro):
+    loss_sum, grads_sum = carry
+    loss, aux, grads = grad_fn(trainable, frozen, micro)
+    den = aux["loss_denominator"]
+    grads_sum = jax.tree.map(lambda s, g: s + (den * g).astype(s.dtype), grads_sum, grads)
+    return (loss_sum + den * loss, grads_sum), aux
+
+  zeros = jax.tree.map(jnp.zeros_like, trainable)
+  (loss_sum, grads_sum), aux_K = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), slices)
+  total = jnp.maximum(jnp.sum(aux_K["loss_denominator"]), 1e-8)
+  grads = jax.tree.map(lambda s: (s / total).astype(s.dtype), grads_sum)
+  return loss_sum / total, combine_metrics(aux_K), grads
+
+
+def combine_metrics(aux_K: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """One update's metrics from those of its k micro-batches (each [k]): sums for the counts,
+  min/max for the extremes, the pooled std for `advantage/std`, token-weighted means for the
+  rest."""
+  tokens = aux_K["num_tokens"]
   weight = tokens / jnp.maximum(jnp.sum(tokens), 1e-8)
-  mean = lambda k: sum(w * a[k] for w, a in zip(weight, auxes))
+  mean = lambda k: jnp.sum(weight * aux_K[k])
   aux = {}
-  stacked = lambda k: jnp.stack([a[k] for a in auxes])
-  for k in auxes[0]:
+  for k, v in aux_K.items():
     if k in ("loss_numerator", "loss_denominator", "num_tokens"):
-      aux[k] = jnp.sum(stacked(k))
+      aux[k] = jnp.sum(v)
     elif k.endswith("/min"):
-      aux[k] = jnp.min(stacked(k))
+      aux[k] = jnp.min(v)
     elif k.endswith("/max"):
-      aux[k] = jnp.max(stacked(k))
+      aux[k] = jnp.max(v)
     elif k == "advantage/std":
-      second = sum(w * (a[k] ** 2 + a["advantage/mean"] ** 2) for w, a in zip(weight, auxes))
+      second = jnp.sum(weight * (v ** 2 + aux_K["advantage/mean"] ** 2))
       aux[k] = jnp.sqrt(jnp.maximum(second - mean("advantage/mean") ** 2, 0.0))
     else:
       aux[k] = mean(k)
-  return loss, aux, grads
+  return aux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +287,8 @@ class StepFunctions:
   explicit in/out shardings (arguments are moved there first when they are
   elsewhere) and constrain the model's activations to the batch sharding.
 
-  `update(..., micro_batches=k)` accumulates: `gradients` on each of k row
-  slices, `combine_gradients`, then one `apply_gradients` (the same update as
+  `update(..., micro_batches=k)` accumulates: `accumulated_gradients` over k row
+  slices (one program per k), then one `apply_gradients` (the same update as
   one pass over the batch, with a k-th of the activation memory).
 
   With `remat`, the update also runs as the two programs `gradients` then
@@ -290,8 +306,8 @@ class StepFunctions:
                   if remat and jax.default_backend() == "cpu" else None)
     score_fn = functools.partial(score, graphdef, temperature=temperature)
     reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature)
-    grads_fn = functools.partial(gradients, graphdef, loss_cfg=loss_cfg, temperature=temperature,
-                                 on_policy=on_policy)
+    self._grads_fn = functools.partial(accumulated_gradients, graphdef, loss_cfg=loss_cfg,
+                                       temperature=temperature, on_policy=on_policy)
     apply_fn = functools.partial(apply_gradients, tx)
     update_fn = functools.partial(update, graphdef, tx, loss_cfg=loss_cfg,
                                   temperature=temperature, on_policy=on_policy)
@@ -301,26 +317,31 @@ class StepFunctions:
     # Where each named argument lives (built once: `_placed` runs at every call).
     self._where = None if s is None else {
         "trainable": s.trainable, "opt_state": s.opt_state, "frozen": s.frozen,
-        "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch(),
-        "grad_fault": s.replicated}
+        "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch()}
     jit = functools.partial(_jit, mesh=s.mesh if s else None)
     self.score_program = jit(score_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
                              (s.rows, s.rows, s.rows) if s else None)
     self.reference_program = jit(reference_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
                                  s.rows if s else None)
-    # jit compiles on first call: the split programs only when remat or accumulation uses them.
-    self.gradients_program = jit(
-        grads_fn, (s.trainable, s.frozen, s.update_batch()) if s else None,
-        (s.replicated, s.replicated, s.trainable) if s else None, compiler_options=cpu_memory)
-    self.combine_program = jax.jit(combine_gradients)
+    self._jit, self._cpu_memory = jit, cpu_memory
+    self._gradients_programs: dict[int, Any] = {}
     self.apply_program = jit(
-        apply_fn, (s.trainable, s.opt_state, s.replicated, s.replicated, s.trainable,
-                   s.replicated) if s else None,
+        apply_fn, (s.trainable, s.opt_state, s.replicated, s.replicated, s.trainable) if s else None,
         (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
     self.update_program = jit(
-        lambda tr, opt, fr, batch, fault: update_fn(tr, opt, fr, batch, grad_fault=fault),
-        (s.trainable, s.opt_state, s.frozen, s.update_batch(), s.replicated) if s else None,
+        update_fn, (s.trainable, s.opt_state, s.frozen, s.update_batch()) if s else None,
         (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
+
+  def gradients_program(self, micro_batches: int = 1):
+    """The jitted `accumulated_gradients` for `micro_batches` slices (compiled on first call)."""
+    if micro_batches not in self._gradients_programs:
+      s = self.shardings
+      self._gradients_programs[micro_batches] = self._jit(
+          functools.partial(self._grads_fn, micro_batches=micro_batches),
+          (s.trainable, s.frozen, s.update_batch()) if s else None,
+          (s.replicated, s.replicated, s.trainable) if s else None,
+          compiler_options=self._cpu_memory)
+    return self._gradients_programs[micro_batches]
 
   def _placed(self, **args):
     """The arguments on their declared shardings (as given without a mesh)."""
@@ -338,32 +359,34 @@ class StepFunctions:
     return self.reference_program(*self._placed(trainable=trainable, frozen=frozen,
                                                 reference=reference, rollout=rollout).values())
 
-  def update(self, trainable, opt_state, frozen, batch, grad_fault=None, micro_batches: int = 1):
+  def update(self, trainable, opt_state, frozen, batch, micro_batches: int = 1):
     """(new trainable, new optimizer state, metrics); donates the trainable and optimizer state.
 
     `micro_batches` > 1 accumulates the gradients of that many row slices of `batch`."""
-    a = self._placed(trainable=trainable, opt_state=opt_state, frozen=frozen, grad_fault=grad_fault)
+    a = self._placed(trainable=trainable, opt_state=opt_state, frozen=frozen)
     if micro_batches == 1 and not self.split_update:
       return self.update_program(a["trainable"], a["opt_state"], a["frozen"],
-                                 self._placed(batch=batch)["batch"], a["grad_fault"])
-    parts = [self.gradients(a["trainable"], a["frozen"], mb) for mb in split_rows(batch, micro_batches)]
-    loss, aux, grads = parts[0] if micro_batches == 1 else self.combine_program(parts)
-    return self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads, a["grad_fault"])
+                                 self._placed(batch=batch)["batch"])
+    loss, aux, grads = self.gradients(a["trainable"], a["frozen"], batch, micro_batches)
+    return self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads)
 
-  def gradients(self, trainable, frozen, batch):
+  def gradients(self, trainable, frozen, batch, micro_batches: int = 1):
     """(loss, aux metrics, gradients) of the loss on `batch`, without an optimizer step."""
     a = self._placed(trainable=trainable, frozen=frozen, batch=batch)
-    return self.gradients_program(a["trainable"], a["frozen"], a["batch"])
+    return self.gradients_program(micro_batches)(a["trainable"], a["frozen"], a["batch"])
 
-  def update_memory(self, trainable, opt_state, frozen, batch) -> list[Any]:
+  def update_memory(self, trainable, opt_state, frozen, batch, micro_batches: int = 1
+                    ) -> list[Any]:
     """XLA's `memory_analysis()` of each compiled program of the update, for these (possibly
-    abstract) arguments: one program, or the gradient and apply programs with remat."""
-    if not self.split_update:
-      return [self.update_program.lower(trainable, opt_state, frozen, batch, None)
+    abstract) arguments: one program, or the gradient and apply programs with remat or
+    gradient accumulation."""
+    if micro_batches == 1 and not self.split_update:
+      return [self.update_program.lower(trainable, opt_state, frozen, batch)
               .compile().memory_analysis()]
-    loss, aux, grads = jax.eval_shape(self.gradients_program, trainable, frozen, batch)
-    return [self.gradients_program.lower(trainable, frozen, batch).compile().memory_analysis(),
-            self.apply_program.lower(trainable, opt_state, loss, aux, grads, None)
+    program = self.gradients_program(micro_batches)
+    loss, aux, grads = jax.eval_shape(program, trainable, frozen, batch)
+    return [program.lower(trainable, frozen, batch).compile().memory_analysis(),
+            self.apply_program.lower(trainable, opt_state, loss, aux, grads)
             .compile().memory_analysis()]
 
 

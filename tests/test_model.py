@@ -660,3 +660,33 @@ def test_remat_keeps_update_memory_flat_in_depth():
   assert plain[8] > 2.5 * plain[2]
   assert remat[8] < 1.5 * remat[2]
   assert remat[8] < plain[8] / 2.5
+
+
+def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
+  """Full fine-tuning, where the gradients are as large as the weights: the accumulating program
+  keeps one running sum, so its compiled temporaries stay put as k goes 1 -> 2 -> 4 (holding each
+  micro-batch's gradients would add a weights' worth per micro-batch)."""
+  from epgrpo_jax import losses, steps
+  # Wide layers, few tokens: the weights (and so each gradient) outweigh the activations.
+  cfg = preset("test-tiny", num_layers=2, hidden_size=256, intermediate_size=1024, num_heads=4,
+               num_kv_heads=2)
+  model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
+  graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)  # full fine-tuning's split
+  policy = steps.Policy(graphdef, trainable, frozen, reference=trainable)
+  tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
+  fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
+                            on_policy=True)
+  rows = lambda n, dt: jax.ShapeDtypeStruct((8, n), dt)
+  batch = steps.UpdateBatch(
+      rollout=steps.Rollout(rows(8, jnp.int32), rows(8, bool), rows(8, jnp.int32), rows(8, bool)),
+      logp_old=rows(8, jnp.float32), logp_ref=rows(8, jnp.float32), advantage=rows(8, jnp.float32))
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(policy.trainable))
+  temp = {}
+  for k in (1, 2, 4):
+    program = fns.gradients_program(k)
+    temp[k] = program.lower(policy.trainable, policy.frozen, batch).compile().memory_analysis(
+        ).temp_size_in_bytes
+  print(f"\ngradient program temporaries (MiB) k=1,2,4: "
+        f"{[round(v / 2**20, 2) for v in temp.values()]}; weights {weights / 2**20:.2f} MiB")
+  assert weights > temp[1] / 4  # the gradients matter here
+  assert temp[4] <= temp[1] + weights / 2 and temp[2] <= temp[1] + weights / 2, temp

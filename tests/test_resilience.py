@@ -301,16 +301,17 @@ NAN_AT = {3, 5, 6}  # optimizer updates (= steps here) whose gradients get a NaN
 
 
 class FaultyTrainer(trainer_mod.Trainer):
-  """The real trainer, with a NaN added to the gradients of the updates in `NAN_AT`
-  through the update's `grad_fault` argument."""
+  """The real trainer, with NaN advantages in the batches of the updates in `NAN_AT` (so their
+  loss and gradients are NaN), passed to the real update."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     update, calls = self.fns.update, itertools.count(1)
 
-    def faulty(*update_args, **update_kwargs):
-      fault = jnp.float32(np.nan if next(calls) in NAN_AT else 0.0)
-      return update(*update_args, grad_fault=fault, **update_kwargs)
+    def faulty(trainable, opt_state, frozen, batch, **update_kwargs):
+      if next(calls) in NAN_AT:
+        batch = batch.replace(advantage=batch.advantage * jnp.nan)
+      return update(trainable, opt_state, frozen, batch, **update_kwargs)
 
     self.fns.update = faulty
 

@@ -153,9 +153,7 @@ def test_gradient_accumulation_equals_one_pass(task, tmp_path):
                                 loss_cfg=LossConfig(aggregation=aggregation), temperature=1.0,
                                 on_policy=True, shardings=trainer.shardings)
       full = fns.gradients(trainable, trainer.policy.frozen, batch)
-      parts = [fns.gradients(trainable, trainer.policy.frozen, mb)
-               for mb in steps.split_rows(batch, 2)]
-      loss, aux, grads = fns.combine_program(parts)
+      loss, aux, grads = fns.gradients(trainable, trainer.policy.frozen, batch, micro_batches=2)
       assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(full[2])), aggregation
       chex.assert_trees_all_close((loss, grads), (full[0], full[2]), rtol=1e-5, atol=1e-7)
       chex.assert_trees_all_close(aux, full[1], rtol=1e-5, atol=1e-6)

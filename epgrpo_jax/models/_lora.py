@@ -37,10 +37,12 @@ def _low_rank_bwd(res, dy):
   x_NxI, xa_NxR = x.reshape(-1, x.shape[-1]), xa.reshape(-1, xa.shape[-1])
   dy_NxO = dy.reshape(-1, dy.shape[-1])
   dxa_NxR = dy_NxO @ b.T
-  # Contract over tokens with the rank-sized operand transposed (the barrier keeps XLA
-  # from folding the transpose back into the dot and transposing the large one).
-  db_RxO = jax.lax.optimization_barrier(xa_NxR.T) @ dy_NxO
-  da_IxR = (jax.lax.optimization_barrier(dxa_NxR.T) @ x_NxI).T
+  # Contract over tokens with the rank-sized operand transposed (on CPU a barrier keeps XLA
+  # from folding the transpose back into the dot and transposing the large one; other
+  # backends pick their own dot layouts).
+  barrier = jax.lax.optimization_barrier if jax.default_backend() == "cpu" else lambda v: v
+  db_RxO = barrier(xa_NxR.T) @ dy_NxO
+  da_IxR = (barrier(dxa_NxR.T) @ x_NxI).T
   dx = (dxa_NxR @ a.T).reshape(*lead, x.shape[-1])
   return dx.astype(x.dtype), da_IxR.astype(a.dtype), db_RxO.astype(b.dtype)
 

@@ -70,7 +70,10 @@ def recompute_in_backward(fn: Callable) -> Callable:
   and XLA:CPU scheduled every layer's recomputation up front: the compiled
   temporaries then grew with depth almost as without remat. Cotangents of
   inputs that are not differentiated (the frozen base) are dropped by XLA.
+  The ordering is a fix for XLA:CPU's scheduler: other backends get `jax.checkpoint`.
   """
+  if jax.default_backend() != "cpu":
+    return jax.checkpoint(fn)
 
   @jax.custom_vjp
   def wrapped(*args):
