@@ -85,6 +85,27 @@ def _blocks(keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, block: int):
   return keys_nbxBxKxHdxBk, values_nbxBxKxBkxHd, valid_nbxBxBk, slot_nbxBk
 
 
+def _loop(body, carry, xs, how: str):
+  """`lax.scan(body, carry, xs)` (how="scan"), or unrolled with each step fenced after the
+  previous one by an optimization barrier (how="unrolled").
+
+  In isolation the scan holds one block at a time (tests/test_attention.py). In the
+  remat'd update program of a deep model, XLA:CPU kept buffers of every layer's loops
+  apart: the temporaries grew by about 3.5 GiB per 3B layer (docs/distributed.md), while
+  the unrolled form grew as plain attention does; hence "unrolled" in the model.
+  """
+  if how == "scan":
+    return jax.lax.scan(body, carry, xs)
+  outs = []
+  for j in range(jax.tree.leaves(xs)[0].shape[0]):
+    carry, x = jax.lax.optimization_barrier((carry, jax.tree.map(lambda a: a[j], xs)))
+    carry, out = body(carry, x)
+    outs.append(out)
+  if outs[0] is None:
+    return carry, None
+  return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
 def _block_scores(q_BxKxGxTxHd, k_BxKxHdxBk, valid_BxBk, slot_Bk, offset, slots: int):
   """Masked float32 scores of one key block and where they are allowed: -1e30 where not
   visible (as `attend`), -inf on the zero padding past the last slot (no weight at all)."""
@@ -98,7 +119,7 @@ def _block_scores(q_BxKxGxTxHd, k_BxKxHdxBk, valid_BxBk, slot_Bk, offset, slots:
   return jnp.where(slot_Bk < slots, scores, -jnp.inf), allowed
 
 
-def _blockwise_forward(q, keys, values, valid, offset, block):
+def _blockwise_forward(q, keys, values, valid, offset, block, how):
   """(output, (row max, row sum of exp(scores - max)), each [B, K, G, T] float32) by an online
   softmax over key blocks. Max and sum stay apart: for a row with no visible key the max is
   -1e30, to which log(sum) would add nothing in float32."""
@@ -120,42 +141,43 @@ def _blockwise_forward(q, keys, values, valid, offset, block):
 
   init = (jnp.full((b, k, g, t), _NEG, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
           jnp.zeros((b, k, g, t, hd), jnp.float32))
-  (m, l, acc), _ = jax.lax.scan(body, init, (kb, vb, validb, slotb))
+  (m, l, acc), _ = _loop(body, init, (kb, vb, validb, slotb), how)
   return (acc / l[..., None]).astype(q.dtype), (m, l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _blockwise(q, keys, values, valid, offset, block):
-  return _blockwise_forward(q, keys, values, valid, offset, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q, keys, values, valid, offset, block, how):
+  return _blockwise_forward(q, keys, values, valid, offset, block, how)[0]
 
 
-def _blockwise_fwd(q, keys, values, valid, offset, block):
-  out, stats = _blockwise_forward(q, keys, values, valid, offset, block)
+def _blockwise_fwd(q, keys, values, valid, offset, block, how):
+  out, stats = _blockwise_forward(q, keys, values, valid, offset, block, how)
   return out, (q, keys, values, valid, offset, out, stats)
 
 
-def _blockwise_bwd(block, residuals, dout_BxKxGxTxHd):
+def _blockwise_bwd(block, how, residuals, dout_BxKxGxTxHd):
   """Recomputes each block's probabilities from the saved row statistics (flash-style backward)."""
   q, keys, values, valid, offset, out, (m_BxKxGxT, l_BxKxGxT) = residuals
   slots = keys.shape[-1]
   kb, vb, validb, slotb = _blocks(keys, values, valid, block)
   scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-  dout = dout_BxKxGxTxHd.astype(jnp.float32)
-  delta_BxKxGxT = jnp.sum(dout * out.astype(jnp.float32), -1)
-  qf = q.astype(jnp.float32)
+  dout = dout_BxKxGxTxHd.astype(q.dtype)
+  delta_BxKxGxT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
   def body(dq_BxKxGxTxHd, xs):
     k_blk, v_blk, valid_blk, slot_blk = xs
     s, allowed = _block_scores(q, k_blk, valid_blk, slot_blk, offset, slots)
     p = jnp.exp(s - m_BxKxGxT[..., None]) / l_BxKxGxT[..., None]
-    dv_BxKxBkxHd = jnp.einsum("bkgts,bkgth->bksh", p, dout)
-    dp = jnp.einsum("bkgth,bksh->bkgts", dout, v_blk.astype(jnp.float32))
+    dv_BxKxBkxHd = f32("bkgts,bkgth->bksh", p.astype(q.dtype), dout)
+    dp = f32("bkgth,bksh->bkgts", dout, v_blk.astype(q.dtype))
     ds = jnp.where(allowed, p * (dp - delta_BxKxGxT[..., None]), 0.0) * scale
-    dq = dq_BxKxGxTxHd + jnp.einsum("bkgts,bkhs->bkgth", ds, k_blk.astype(jnp.float32))
-    dk_BxKxHdxBk = jnp.einsum("bkgts,bkgth->bkhs", ds, qf)
+    ds = ds.astype(q.dtype)
+    dq = dq_BxKxGxTxHd + f32("bkgts,bkhs->bkgth", ds, k_blk.astype(q.dtype))
+    dk_BxKxHdxBk = f32("bkgts,bkgth->bkhs", ds, q)
     return dq, (dk_BxKxHdxBk, dv_BxKxBkxHd)
 
-  dq, (dk_nb, dv_nb) = jax.lax.scan(body, jnp.zeros(q.shape, jnp.float32), (kb, vb, validb, slotb))
+  dq, (dk_nb, dv_nb) = _loop(body, jnp.zeros(q.shape, jnp.float32), (kb, vb, validb, slotb), how)
   b, k, hd, s = keys.shape
   nb = dk_nb.shape[0]
   dkeys = dk_nb.transpose(1, 2, 3, 0, 4).reshape(b, k, hd, nb * block)[..., :s]
@@ -167,15 +189,18 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
-              block: int = 512):
+              block: int = 512, loop: str = "unrolled"):
   """`attend(q, keys, values, visible(valid_BxS, offset, T))` over key blocks of `block` slots,
-  never materialising [T, S] scores in the forward or the backward pass."""
+  never materialising [T, S] scores in the forward or the backward pass; `loop` "unrolled"
+  or "scan" (`_loop`)."""
+  if loop not in ("unrolled", "scan"):
+    raise ValueError(f"blockwise: loop must be 'unrolled' or 'scan', got {loop!r}")
   if block <= 0:
     raise ValueError(f"model.attention_block: must be > 0, got {block}")
   block = min(block, keys_BxKxHdxS.shape[-1])
   offset = jnp.asarray(offset, jnp.int32)
   return _blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS.astype(bool), offset,
-                    block)
+                    block, loop)
 
 
 def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,

@@ -89,7 +89,7 @@ def recompute_in_backward(fn: Callable) -> Callable:
   return wrapped
 
 
-def _remat_block(layer: "Block", x, positions, valid, attention: str, adapters: bool):
+def _remat_block(layer: "Block", x, positions, valid, attention: tuple[str, int], adapters: bool):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
   The layer enters as a pure state, so this works when the model was merged from a
@@ -188,10 +188,10 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BxTxD, positions_BxT, rope_table, k_BxKxHdxS, v_BxKxSxHd, valid_BxS,
-               offset, write_index, attention: str, adapters: bool):
+               offset, write_index, attention: tuple[str, int], adapters: bool):
     """Writes this block's keys/values at `write_index` (None: no cache) and attends: query t
     (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS`, by the resolved
-    `attention` implementation (a one-token step always by the plain path or decode kernel)."""
+    `attention` (implementation, block size) (a one-token step: the plain path or decode kernel)."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters)
@@ -214,10 +214,10 @@ class Attention(nnx.Module):
     if (kernel is not None and t == 1 and write_index is not None
         and q.dtype == keys.dtype == values.dtype == jnp.float32):
       out = kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
-    elif attention == "plain" or t == 1:
+    elif attention[0] == "plain" or t == 1:
       out = _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t))
-    elif attention == "blockwise":
-      out = _attention.blockwise(q, keys, values, valid_BxS, offset, block=cfg.attention_block)
+    elif attention[0] == "blockwise":
+      out = _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1])
     else:
       out = _attention.cudnn(q, keys, values, valid_BxS, offset)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
@@ -246,8 +246,8 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
     self.mlp = MLP(cfg, lora, rngs)
 
-  def __call__(self, x, positions, rope_table, k, v, valid, offset, write_index, attention: str,
-               adapters: bool):
+  def __call__(self, x, positions, rope_table, k, v, valid, offset, write_index,
+               attention: tuple[str, int], adapters: bool):
     dtype = x.dtype
     h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, rope_table, k, v, valid,
                         offset, write_index, attention, adapters)
@@ -300,7 +300,7 @@ class Qwen2(nnx.Module):
     table = _constrain(self.embed[...], "embedding")
     x = _constrain(jnp.take(table, tokens_BxT, axis=0).astype(dtype))
     mask_BxT = mask_BxT.astype(bool)
-    attention = _attention.resolve(cfg.attention, dtype)
+    attention = (_attention.resolve(cfg.attention, dtype), cfg.attention_block)
     if cache is None:
       write_index, valid, offset = None, mask_BxT, 0
     else:
