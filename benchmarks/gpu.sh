@@ -71,12 +71,12 @@ run() {  # run SECONDS CMD...: one part, with its time limit
   timeout "$limit" "$@" || echo "FAILED ($?): $*"
 }
 cd benchmarks
-if [ "$DRY" = 1 ]; then
+if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's time budget
   SAMPLER="--prompts 2 --samples 2 --prompt-len 8 --new-tokens 8 --runs 1 --dtype float32"
-  run 60 python sampler_vs_hf.py --preset bench-tiny $SAMPLER
-  run 90 python step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
+  run 300 python sampler_vs_hf.py --preset bench-tiny $SAMPLER
+  run 300 python step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
       --samples 2 --prompt-len 8 --new-tokens 8 --lora-rank 2 --peak-tflops "$PEAK"
-  run 60 python attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
+  run 300 python attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
       --runs 1
 else
   SAMPLER="--prompts 8 --samples 8 --prompt-len 64 --new-tokens 256 --runs 2 --dtype bfloat16"
