@@ -168,3 +168,16 @@ def test_blockwise_backward_temporaries_shrink():
   assert temp["plain"] >= scores
   assert temp["scan"] < scores / 2
   assert temp["unrolled"] < temp["plain"]
+
+
+def test_training_config_reaches_the_model():
+  from epgrpo_jax.config import ModelSection
+  from epgrpo_jax.trainer import _with_runtime_options
+  model = random_model(tiny_config())
+  section = ModelSection(remat=True, attention="blockwise", attention_block=64)
+  cfg = _with_runtime_options(model, section).cfg
+  assert (cfg.remat, cfg.attention, cfg.attention_block) == (True, "blockwise", 64)
+  with pytest.raises(ValueError, match="model.attention"):
+    ModelSection(attention="flash")
+  with pytest.raises(ValueError, match="model.attention_block"):
+    ModelSection(attention_block=0)
