@@ -8,10 +8,12 @@ Every path computes softmax(q . keys / sqrt(Hd)) . values where query t (at slot
 
 - "plain" materialises the [B, K, G, T, S] scores (`attend`); fastest at small T,
   and the one-token decode step always takes it.
-- "blockwise" scans over key blocks with an online softmax (flash-style, pure XLA);
+- "blockwise" loops over key blocks with an online softmax (flash-style, pure XLA);
   a custom VJP saves only the output and two row statistics and recomputes each
-  block's probabilities in the backward pass, so neither direction holds more than
-  one [B, K, G, T, Bk] block of scores: memory O(T * (Hd + Bk)) per head, not O(T^2).
+  block's probabilities in the backward pass, so that no [T, S] scores are kept:
+  with `loop="scan"` one [B, K, G, T, Bk] block lives at a time, memory
+  O(T * (Hd + Bk)) per head; the model's fenced unrolled loop (`_loop`) leaves the
+  scheduling of the blocks' buffers to XLA.
 - "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash
   attention; GPU, bf16/fp16 only).
 
