@@ -51,6 +51,14 @@ def peak_bytes(m) -> int:
           - m.alias_size_in_bytes)
 
 
+def device_peak_bytes() -> int | None:
+  """The first device's peak bytes in use so far (`memory_stats()`; None where the backend,
+  e.g. CPU, keeps no statistics)."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
 class CompileCounter:
   """Counts XLA backend compilations (jax.monitoring) while installed."""
 

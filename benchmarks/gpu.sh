@@ -1,42 +1,91 @@
 #!/usr/bin/env bash
-# All benchmarks on one accelerator machine (random weights, bf16), in one go.
+# The accelerator figures on one H100/H200-class GPU (random weights, bf16), in under 8 minutes.
 #
-#   bash benchmarks/gpu.sh [PEAK_TFLOPS]      # e.g. 989 for an H100/H200 (dense bf16)
+#   bash benchmarks/gpu.sh [--peak-tflops 989] [--out FILE]   # 989: H100/H200 dense bf16
+#   bash benchmarks/gpu.sh --dry-run [--out FILE]              # the same programs, tiny, on CPU
 #
-# Installs the package with the `bench` extra unless it is importable already (a
-# CUDA jax must be installed for JAX to see the GPU), prints the machine, then:
-# the sampler and the full RL step at Qwen2.5-0.5B and 1.5B shapes (tokens/s,
-# model FLOPs utilisation, ours vs transformers / TRL on the same GPU), the
-# EP-GRPO overhead, the scaling table and the log-prob memory table. Everything
-# goes to stdout and to benchmarks/results-gpu-<date>.txt; record it in
-# docs/benchmarks.md with the date and the hardware.
+# Not yet run on a GPU. Each part reuses a benchmark script with size flags:
+#   1. sampler tokens/s, ours vs transformers `generate` (sampler_vs_hf.py) at Qwen2.5-0.5B and
+#      1.5B shapes: 8 prompts x 8 completions, 64-token prompts, 256 new tokens;
+#   2. the RL step split into phases (sampling / scoring+reward+reference+advantage / update),
+#      the update's and the step's MFU and the device's peak memory (step_vs_trl.py --skip-trl)
+#      at the 0.5B shape, with model.attention=auto (cuDNN in bf16);
+#   3. one layer's training attention, forward + backward: plain vs blockwise vs cuDNN, time and
+#      compiled temporaries (attention.py) at the 1.5B heads, 4 rows x 4,096 tokens.
+# Each part has a time limit, so that a hung part cannot eat the others' time; a part that
+# fails or times out prints FAILED and the script goes on. Everything goes to stdout and to
+# FILE (default benchmarks/results-gpu-<date>.txt, or results-dry-run-<date>.txt); record the
+# figures in docs/benchmarks.md with the date and the hardware.
+#
+# Installs the package with the `bench` extra unless it is importable already (a CUDA jax
+# must be installed for JAX to see the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PEAK="${1:-989}"
-LOG="benchmarks/results-gpu-$(date +%Y%m%d-%H%M).txt"
-exec > >(tee "$LOG") 2>&1
-
-if ! python -c "import epgrpo_jax, trl, peft" 2>/dev/null; then
-  pip install -e ".[bench]" || { echo "install failed"; exit 1; }
+ROOT="$PWD"
+PEAK=989
+DRY=0
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --peak-tflops) PEAK="$2"; shift ;;
+    --out) OUT="$2"; shift ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -z "$OUT" ]; then
+  if [ "$DRY" = 1 ]; then OUT="benchmarks/results-dry-run-$(date +%Y%m%d-%H%M).txt"
+  else OUT="benchmarks/results-gpu-$(date +%Y%m%d-%H%M).txt"; fi
 fi
-date -u; hostname; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+case "$OUT" in /*) ;; *) OUT="$ROOT/$OUT" ;; esac
+exec > >(tee "$OUT") 2>&1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "$DRY" = 1 ]; then
+  export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
+  echo "DRY RUN: tiny shapes on CPU; the figures mean nothing, only that every program runs"
+else
+  if ! python -c "import epgrpo_jax, transformers" 2>/dev/null; then
+    pip install -e ".[bench]" || { echo "install failed"; exit 1; }
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+fi
+date -u; hostname
 python - <<'PY'
-import jax, torch
+import jax
 print("jax", jax.__version__, jax.devices())
-print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "NO CUDA")
+try:
+  import torch
+  print("torch", torch.__version__, "cuda" if torch.cuda.is_available() else "no CUDA")
+except ImportError:
+  print("torch: not installed")
 if jax.devices()[0].platform == "cpu":
-  print("WARNING: JAX sees no accelerator (install jax[cuda12]); the figures below are CPU figures")
+  print("NOTE: JAX sees no accelerator (a GPU run needs jax[cuda12]); these are CPU figures")
 PY
 
-run() { echo; echo "=== $* ==="; timeout 1800 "$@" || echo "FAILED ($?): $*"; }
+START=$SECONDS
+run() {  # run SECONDS CMD...: one part, with its time limit
+  local limit="$1"; shift
+  echo; echo "=== $* (limit ${limit} s, at ${SECONDS} s) ==="
+  timeout "$limit" "$@" || echo "FAILED ($?): $*"
+}
 cd benchmarks
-for preset in qwen2.5-0.5b qwen2.5-1.5b; do
-  run python sampler_vs_hf.py --preset "$preset" --dtype bfloat16 --peak-tflops "$PEAK" --runs 3
-  run python step_vs_trl.py --preset "$preset" --dtype bfloat16 --peak-tflops "$PEAK" \
-      --steps 5 --warmup 2
-done
-run python step_vs_trl.py --steps 5 --warmup 2            # the CPU-recorded tiny shape, on the GPU
-run python overhead.py --preset qwen2.5-0.5b --dtype bfloat16 --rounds 3
-run python scaling.py --preset qwen2.5-0.5b --dtype bfloat16 --base 8,8,256 --doublings 2
-run python logprob_memory.py --dtype bfloat16
-echo; echo "results written to $LOG"
+if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's time budget
+  SAMPLER="--prompts 2 --samples 2 --prompt-len 8 --new-tokens 8 --runs 1 --dtype float32"
+  run 300 python sampler_vs_hf.py --preset bench-tiny $SAMPLER
+  run 300 python step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
+      --samples 2 --prompt-len 8 --new-tokens 8 --lora-rank 2 --peak-tflops "$PEAK"
+  run 300 python attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
+      --runs 1
+else
+  SAMPLER="--prompts 8 --samples 8 --prompt-len 64 --new-tokens 256 --runs 2 --dtype bfloat16"
+  run 100 python sampler_vs_hf.py --preset qwen2.5-0.5b $SAMPLER --peak-tflops "$PEAK"
+  run 120 python sampler_vs_hf.py --preset qwen2.5-1.5b $SAMPLER --peak-tflops "$PEAK"
+  run 160 python step_vs_trl.py --preset qwen2.5-0.5b --dtype bfloat16 --skip-trl --steps 3 \
+      --warmup 1 --prompts 8 --samples 8 --prompt-len 64 --new-tokens 256 \
+      --peak-tflops "$PEAK"
+  run 60 python attention.py --preset qwen2.5-1.5b --rows 4 --tokens 4096 --dtype bfloat16 \
+      --runs 5
+fi
+echo; echo "total $((SECONDS - START)) s; results written to $OUT"

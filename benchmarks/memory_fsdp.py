@@ -20,6 +20,7 @@ temporaries overstate what a GPU needs.
 
   python benchmarks/memory_fsdp.py                         # 3B and 7B, data=8 vs fsdp=8
   python benchmarks/memory_fsdp.py --presets qwen2.5-7b --meshes 1,8,1 --grad-accumulation 4
+  python benchmarks/memory_fsdp.py --attention plain       # the materialised-scores attention
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ GIB = 2 ** 30
 
 
 def abstract_policy(name: str, *, dtype: str, lora_rank: int, remat: bool,
-                    full_finetune: bool) -> steps.Policy:
+                    full_finetune: bool, attention: str = "blockwise",
+                    attention_block: int = 512) -> steps.Policy:
   """The preset's policy split as shapes only (no weights are made)."""
-  cfg = preset(name, dtype=dtype, param_dtype=dtype, remat=remat)
+  cfg = preset(name, dtype=dtype, param_dtype=dtype, remat=remat, attention=attention,
+               attention_block=attention_block)
   lora = None if full_finetune else LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank)
   model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(0)))
   if full_finetune:  # the trainable copy is fp32, the reference stays in the base dtype
@@ -110,12 +113,18 @@ def main():
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--no-remat", action="store_true")
   parser.add_argument("--full-finetune", action="store_true")
+  parser.add_argument("--attention", default="blockwise", choices=("plain", "blockwise"),
+                      help="model.attention (cuDNN's memory is not visible on CPU; blockwise "
+                           "stands in for a memory-efficient kernel)")
+  parser.add_argument("--attention-block", type=int, default=512, help="model.attention_block")
   args = parser.parse_args()
 
   rows = args.prompts * args.generations // (args.mini_batches * args.grad_accumulation)
   print(f"gradient program: {rows} sequences x ({args.prompt_len} prompt + {args.completion_len} "
         f"completion) tokens, {'full fine-tuning' if args.full_finetune else f'LoRA rank {args.lora_rank}'}, "
-        f"{args.dtype}, remat {'off' if args.no_remat else 'on'}; {jax.device_count()} "
+        f"{args.dtype}, remat {'off' if args.no_remat else 'on'}, {args.attention} attention"
+        f"{f' (blocks of {args.attention_block})' if args.attention == 'blockwise' else ''}; "
+        f"{jax.device_count()} "
         f"{jax.devices()[0].platform} devices; GiB per device from memory_analysis()")
   header = (f"{'preset':<12} {'mesh (d,f,t)':<13} {'seq/dev':>7} {'weights':>8} {'args':>8} "
             f"{'temp':>8} {'out':>8} {'alias':>8} {'peak':>8} {'compile':>8}")
@@ -123,7 +132,8 @@ def main():
   print("-" * len(header))
   for name in args.presets.split(","):
     policy = abstract_policy(name, dtype=args.dtype, lora_rank=args.lora_rank,
-                             remat=not args.no_remat, full_finetune=args.full_finetune)
+                             remat=not args.no_remat, full_finetune=args.full_finetune,
+                             attention=args.attention, attention_block=args.attention_block)
     for spec in args.meshes:
       shape = tuple(int(x) for x in spec.split(","))
       mesh = sharding.make_mesh(sharding.MeshConfig(*shape))

@@ -60,6 +60,8 @@ def parse_args(argv=None):
   ap.add_argument("--peak-tflops", type=float, default=0.0,
                   help="the device's peak dense TFLOP/s in --dtype (H200 bf16: 989); prints MFU")
   ap.add_argument("--remat", action="store_true", help="ours: model.remat=true")
+  ap.add_argument("--attention", default=None, choices=("auto", "plain", "blockwise", "cudnn"),
+                  help="ours: model.attention (default: the config default, auto)")
   ap.add_argument("--reuse-sampler-logprobs", action="store_true",
                   help="ours: train.reuse_sampler_logprobs=true (no scoring pass; TRL has none on-policy)")
   ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -85,6 +87,8 @@ class Ours:
     extra += [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
     if args.remat:
       extra.append("model.remat=true")
+    if args.attention:
+      extra.append(f"model.attention={args.attention}")
     if args.reuse_sampler_logprobs:
       extra.append("train.reuse_sampler_logprobs=true")
     self.trainer = C.make_trainer(model_dir, train_file, out_dir, shape, *extra)
@@ -269,6 +273,10 @@ def main(argv=None):
     print(f"MFU (peak {args.peak_tflops:g} TFLOP/s): step {flops['total'] / o['step'] / peak:.2%}, "
           f"sampling {flops['sampling'] / o['sample'] / peak:.2%}, update "
           f"{flops['update'] / o['update'] / peak:.2%}")
+  peak_memory = C.device_peak_bytes()
+  if peak_memory is not None:
+    print(f"device memory: peak {peak_memory / 2**30:.2f} GiB in use (jax memory_stats, whole run)")
+    result["peak_bytes"] = peak_memory
   print(f"machine at end: {C.machine_line()}")
   if args.json:
     args.json.write_text(json.dumps(result, indent=1, default=float))

@@ -14,7 +14,7 @@ from epgrpo_jax.advantages import AdvantageConfig
 from epgrpo_jax.data import DataConfig
 from epgrpo_jax.errors import UserError
 from epgrpo_jax.losses import LossConfig
-from epgrpo_jax.models import LoraConfig
+from epgrpo_jax.models import ATTENTION, LoraConfig
 from epgrpo_jax.rewards import RewardConfig
 from epgrpo_jax.sampling import SamplingConfig
 from epgrpo_jax.sharding import MeshConfig
@@ -46,12 +46,17 @@ class ModelSection:
   param_dtype: str = "float32"  # frozen base weights; trainable weights are always float32
   full_finetune: bool = False  # train every weight (reference = frozen copy) instead of LoRA
   remat: bool = False  # rematerialise decoder layers in the backward pass (long sequences)
+  attention: str = "auto"  # auto | plain | blockwise | cudnn (auto: plain on CPU, cuDNN on GPU)
+  attention_block: int = 512  # keys per block of the blockwise attention
 
   def __post_init__(self):
     expand_user(self, "path")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise UserError(f"model.{name}: must be float32 or bfloat16, got {getattr(self, name)!r}")
+    if self.attention not in ATTENTION:
+      raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
+    _positive("model", self, "attention_block")
     if self.path != EMBEDDED:
       p = Path(self.path).expanduser()
       if not p.is_dir():

@@ -168,8 +168,7 @@ class Trainer:
     lora = None if cfg.model.full_finetune else cfg.lora
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
                             lora=lora, mesh=self.mesh, seed=t.seed)
-    if cfg.model.remat:
-      model = _with_remat(model)
+    model = _with_runtime_options(model, cfg.model)
     self.model_cfg = model.cfg
     self.policy = Policy.from_model(model, cfg.model.full_finetune)
     self.model_dir = model_dir
@@ -516,8 +515,10 @@ def answer_parses(answer: str) -> bool:
     return False
 
 
-def _with_remat(model):
-  model.cfg = model.cfg.replace(remat=True)
+def _with_runtime_options(model, section):
+  """The model with `model.remat`, `model.attention` and `model.attention_block` applied."""
+  model.cfg = model.cfg.replace(remat=model.cfg.remat or section.remat, attention=section.attention,
+                                attention_block=section.attention_block)
   return model
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from epgrpo_jax.errors import UserError
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+ATTENTION = ("auto", "plain", "blockwise", "cudnn")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -40,6 +41,10 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"  # base-weight dtype (LoRA weights stay float32)
   remat: bool = False  # rematerialise each decoder layer in the backward pass
+  # Attention over more than one query (prefill, scoring, update): auto | plain | blockwise |
+  # cudnn (`_attention.resolve`; auto: cudnn on GPU in bf16, plain on CPU, else blockwise).
+  attention: str = "auto"
+  attention_block: int = 512  # keys per block of the blockwise attention
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -58,6 +63,10 @@ class ModelConfig:
       raise UserError(f"model.head_dim: must be even for rotary embeddings, got {self.head_dim}")
     as_dtype(self.dtype)
     as_dtype(self.param_dtype)
+    if self.attention not in ATTENTION:
+      raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
+    if self.attention_block <= 0:
+      raise UserError(f"model.attention_block: must be > 0, got {self.attention_block}")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from epgrpo_jax.models import _attention
+from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear, fused
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
-_NEG = -1e30  # finite, so that a row with no valid key gives a uniform, not NaN, softmax
 _ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "activation_constraint", default=None)
 
@@ -91,7 +92,7 @@ def recompute_in_backward(fn: Callable) -> Callable:
   return wrapped
 
 
-def _remat_block(layer: "Block", x, positions, allowed, adapters: bool):
+def _remat_block(layer: "Block", x, positions, valid, attention: tuple[str, int], adapters: bool):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
   The layer enters as a pure state, so this works when the model was merged from a
@@ -100,10 +101,11 @@ def _remat_block(layer: "Block", x, positions, allowed, adapters: bool):
   """
   graphdef, state = nnx.split(layer)
 
-  def pure(state, x, positions, allowed):
-    return nnx.merge(graphdef, state)(x, positions, None, None, None, allowed, None, adapters)[0]
+  def pure(state, x, positions, valid):
+    return nnx.merge(graphdef, state)(x, positions, None, None, None, valid, 0, None, attention,
+                                      adapters)[0]
 
-  return recompute_in_backward(pure)(state, x, positions, allowed)
+  return recompute_in_backward(pure)(state, x, positions, valid)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
@@ -121,19 +123,6 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
       "valid": jnp.zeros((batch, slots), bool),
       "index": jnp.zeros((), jnp.int32),
   }
-
-
-def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
-  """softmax(q . keys / sqrt(Hd)) . values over the allowed slots; G query heads share a KV head.
-
-  A query with no allowed slot gets uniform weights (the mask is finite), not NaN.
-  """
-  q = q_BxKxGxTxHd
-  scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys_BxKxHdxS.astype(q.dtype),
-                      preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-  scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype))
 
 
 def rope_cos_sin(positions_BxT, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -201,9 +190,11 @@ class Attention(nnx.Module):
     self.o = _linear(cfg, lora, "o", h * hd, d, False, rngs)
     self.cfg = cfg
 
-  def __call__(self, x_BxTxD, positions_BxT, rope_table, k_BxKxHdxS, v_BxKxSxHd, allowed_BxTxS,
-               write_index, adapters: bool):
-    """Writes this block's keys/values at `write_index` (None: no cache) and attends."""
+  def __call__(self, x_BxTxD, positions_BxT, rope_table, k_BxKxHdxS, v_BxKxSxHd, valid_BxS,
+               offset, write_index, attention: tuple[str, int], adapters: bool):
+    """Writes this block's keys/values at `write_index` (None: no cache) and attends: query t
+    (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS`, by the resolved
+    `attention` (implementation, block size) (a one-token step: the plain path or decode kernel)."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters)
@@ -225,9 +216,13 @@ class Attention(nnx.Module):
     kernel = _DECODE_KERNEL.get()
     if (kernel is not None and t == 1 and write_index is not None
         and q.dtype == keys.dtype == values.dtype == jnp.float32):
-      out = kernel(q[:, :, :, 0], keys, values, allowed_BxTxS[:, 0], write_index + 1)[:, :, :, None]
+      out = kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
+    elif attention[0] == "plain" or t == 1:
+      out = _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t))
+    elif attention[0] == "blockwise":
+      out = _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1])
     else:
-      out = attend(q, keys, values, allowed_BxTxS)
+      out = _attention.cudnn(q, keys, values, valid_BxS, offset)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o(out, adapters), keys, values
 
@@ -254,10 +249,11 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
     self.mlp = MLP(cfg, lora, rngs)
 
-  def __call__(self, x, positions, rope_table, k, v, allowed, write_index, adapters: bool):
+  def __call__(self, x, positions, rope_table, k, v, valid, offset, write_index,
+               attention: tuple[str, int], adapters: bool):
     dtype = x.dtype
-    h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, rope_table, k, v, allowed,
-                        write_index, adapters)
+    h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, rope_table, k, v, valid,
+                        offset, write_index, attention, adapters)
     x = x + h.astype(dtype)
     x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters).astype(dtype)
     return x, k, v
@@ -307,10 +303,9 @@ class Qwen2(nnx.Module):
     table = _constrain(self.embed[...], "embedding")
     x = _constrain(jnp.take(table, tokens_BxT, axis=0).astype(dtype))
     mask_BxT = mask_BxT.astype(bool)
+    attention = (_attention.resolve(cfg.attention, dtype), cfg.attention_block)
     if cache is None:
-      causal_TxT = jnp.tril(jnp.ones((t, t), bool))
-      allowed = causal_TxT[None] & mask_BxT[:, None, :]
-      write_index, valid = None, None
+      write_index, valid, offset = None, mask_BxT, 0
     else:
       write_index = cache["index"]
       slots = cache["valid"].shape[1]
@@ -319,18 +314,17 @@ class Qwen2(nnx.Module):
         raise ValueError(f"cache: writing {t} tokens at slot {int(write_index)} overflows "
                          f"its {slots} slots")
       valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
-      slot_S = jnp.arange(slots)
-      query_slot_T = write_index + jnp.arange(t)
-      allowed = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid[:, None, :]
+      offset = write_index
 
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       if cache is None and cfg.remat:  # remat matters for the backward pass (no cache)
-        x, k, v = _remat_block(layer, x, positions_BxT, allowed, adapters), None, None
+        x, k, v = _remat_block(layer, x, positions_BxT, valid, attention, adapters), None, None
       else:
         ck = cache["k"][i] if cache is not None else None
         cv = cache["v"][i] if cache is not None else None
-        x, k, v = layer(x, positions_BxT, rope_table, ck, cv, allowed, write_index, adapters)
+        x, k, v = layer(x, positions_BxT, rope_table, ck, cv, valid, offset, write_index,
+                        attention, adapters)
       x = _constrain(x)
       new_k.append(k)
       new_v.append(v)

@@ -1,0 +1,221 @@
+"""Attention over keys that are valid per slot and causal per query: plain, blockwise, cuDNN.
+
+Shape suffixes as in `_qwen2`: B batch, K key/value heads, G query heads per KV head,
+T queries, S key slots, Hd head dim, Bk keys per block, nb blocks.
+
+Every path computes softmax(q . keys / sqrt(Hd)) . values where query t (at slot
+`offset + t`) sees slot s iff `s <= offset + t` and `valid_BxS[b, s]`:
+
+- "plain" materialises the [B, K, G, T, S] scores (`attend`); fastest at small T,
+  and the one-token decode step always takes it.
+- "blockwise" loops over key blocks with an online softmax (flash-style, pure XLA);
+  a custom VJP saves only the output and two row statistics and recomputes each
+  block's probabilities in the backward pass, so that no [T, S] scores are kept:
+  with `loop="scan"` one [B, K, G, T, Bk] block lives at a time, memory
+  O(T * (Hd + Bk)) per head; the model's fenced unrolled loop (`_loop`) leaves the
+  scheduling of the blocks' buffers to XLA.
+- "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash
+  attention; GPU, bf16/fp16 only).
+
+A query with no visible slot (left padding) gets uniform weights over all S slots
+in "plain" and "blockwise" alike (the mask is finite), not NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from epgrpo_jax.errors import UserError
+from epgrpo_jax.models._config import ATTENTION as IMPLEMENTATIONS
+
+_NEG = -1e30  # finite, so that a row with no valid key gets a uniform, not NaN, softmax
+
+
+def resolve(name: str, dtype, backend: str | None = None) -> str:
+  """The implementation `name` ("auto": chosen by backend and dtype) stands for.
+
+  auto: "cudnn" on a GPU in bf16/fp16; "plain" on CPU, where the project's shapes
+  are small and plain was fastest (docs/benchmarks.md); "blockwise" elsewhere
+  (GPU in fp32, TPU), where long sequences are the point.
+  """
+  if name not in IMPLEMENTATIONS:
+    raise UserError(f"model.attention: unknown {name!r}; use one of {list(IMPLEMENTATIONS)}")
+  if name != "auto":
+    return name
+  backend = backend or jax.default_backend()
+  if backend == "cpu":
+    return "plain"
+  if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    return "cudnn"
+  return "blockwise"
+
+
+def visible(valid_BxS, offset, t: int):
+  """[B, T, S] bool: query t (at slot offset + t) sees the valid slots up to its own."""
+  slot_S = jnp.arange(valid_BxS.shape[1])
+  query_slot_T = offset + jnp.arange(t)
+  return (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid_BxS[:, None, :]
+
+
+def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
+  """softmax(q . keys / sqrt(Hd)) . values over the allowed slots; G query heads share a KV head.
+
+  A query with no allowed slot gets uniform weights (the mask is finite), not NaN.
+  """
+  q = q_BxKxGxTxHd
+  scores = jnp.einsum("bkgth,bkhs->bkgts", q, keys_BxKxHdxS.astype(q.dtype),
+                      preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+  scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+  return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype))
+
+
+def _blocks(keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, block: int):
+  """Keys, values, validity and slot numbers split into nb blocks of Bk slots (zero-padded)."""
+  b, k, hd, s = keys_BxKxHdxS.shape
+  nb = -(-s // block)
+  pad = nb * block - s
+  keys = jnp.pad(keys_BxKxHdxS, ((0, 0), (0, 0), (0, 0), (0, pad)))
+  values = jnp.pad(values_BxKxSxHd, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  valid = jnp.pad(valid_BxS, ((0, 0), (0, pad)))
+  keys_nbxBxKxHdxBk = keys.reshape(b, k, hd, nb, block).transpose(3, 0, 1, 2, 4)
+  values_nbxBxKxBkxHd = values.reshape(b, k, nb, block, hd).transpose(2, 0, 1, 3, 4)
+  valid_nbxBxBk = valid.reshape(b, nb, block).transpose(1, 0, 2)
+  slot_nbxBk = jnp.arange(nb * block).reshape(nb, block)
+  return keys_nbxBxKxHdxBk, values_nbxBxKxBkxHd, valid_nbxBxBk, slot_nbxBk
+
+
+def _loop(body, carry, xs, how: str):
+  """`lax.scan(body, carry, xs)` (how="scan"), or unrolled with each step fenced after the
+  previous one by an optimization barrier (how="unrolled").
+
+  In isolation the scan holds one block at a time (tests/test_attention.py). In the
+  remat'd update program of a deep model, XLA:CPU kept buffers of every layer's loops
+  apart: the temporaries grew by about 3.5 GiB per 3B layer (docs/distributed.md), while
+  the unrolled form grew as plain attention does; hence "unrolled" in the model.
+  """
+  if how == "scan":
+    return jax.lax.scan(body, carry, xs)
+  outs = []
+  for j in range(jax.tree.leaves(xs)[0].shape[0]):
+    carry, x = jax.lax.optimization_barrier((carry, jax.tree.map(lambda a: a[j], xs)))
+    carry, out = body(carry, x)
+    outs.append(out)
+  if outs[0] is None:
+    return carry, None
+  return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+
+def _block_scores(q_BxKxGxTxHd, k_BxKxHdxBk, valid_BxBk, slot_Bk, offset, slots: int):
+  """Masked float32 scores of one key block and where they are allowed: -1e30 where not
+  visible (as `attend`), -inf on the zero padding past the last slot (no weight at all)."""
+  q = q_BxKxGxTxHd
+  scores = jnp.einsum("bkgth,bkhs->bkgts", q, k_BxKxHdxBk.astype(q.dtype),
+                      preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+  query_slot_T = offset + jnp.arange(q.shape[3])
+  allowed_BxTxBk = (slot_Bk[None, None, :] <= query_slot_T[None, :, None]) & valid_BxBk[:, None, :]
+  allowed = allowed_BxTxBk[:, None, None]
+  scores = jnp.where(allowed, scores, _NEG)
+  return jnp.where(slot_Bk < slots, scores, -jnp.inf), allowed
+
+
+def _blockwise_forward(q, keys, values, valid, offset, block, how):
+  """(output, (row max, row sum of exp(scores - max)), each [B, K, G, T] float32) by an online
+  softmax over key blocks. Max and sum stay apart: for a row with no visible key the max is
+  -1e30, to which log(sum) would add nothing in float32."""
+  slots = keys.shape[-1]
+  kb, vb, validb, slotb = _blocks(keys, values, valid, block)
+  b, k, g, t, hd = q.shape
+
+  def body(carry, xs):
+    m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxHd = carry
+    k_blk, v_blk, valid_blk, slot_blk = xs
+    s, _ = _block_scores(q, k_blk, valid_blk, slot_blk, offset, slots)
+    m_new = jnp.maximum(m_BxKxGxT, s.max(-1))
+    correction = jnp.exp(m_BxKxGxT - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    l_new = l_BxKxGxT * correction + p.sum(-1)
+    pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk,
+                    preferred_element_type=jnp.float32)
+    return (m_new, l_new, acc_BxKxGxTxHd * correction[..., None] + pv), None
+
+  init = (jnp.full((b, k, g, t), _NEG, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
+          jnp.zeros((b, k, g, t, hd), jnp.float32))
+  (m, l, acc), _ = _loop(body, init, (kb, vb, validb, slotb), how)
+  return (acc / l[..., None]).astype(q.dtype), (m, l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q, keys, values, valid, offset, block, how):
+  return _blockwise_forward(q, keys, values, valid, offset, block, how)[0]
+
+
+def _blockwise_fwd(q, keys, values, valid, offset, block, how):
+  out, stats = _blockwise_forward(q, keys, values, valid, offset, block, how)
+  return out, (q, keys, values, valid, offset, out, stats)
+
+
+def _blockwise_bwd(block, how, residuals, dout_BxKxGxTxHd):
+  """Recomputes each block's probabilities from the saved row statistics (flash-style backward)."""
+  q, keys, values, valid, offset, out, (m_BxKxGxT, l_BxKxGxT) = residuals
+  slots = keys.shape[-1]
+  kb, vb, validb, slotb = _blocks(keys, values, valid, block)
+  scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+  dout = dout_BxKxGxTxHd.astype(q.dtype)
+  delta_BxKxGxT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
+  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+
+  def body(dq_BxKxGxTxHd, xs):
+    k_blk, v_blk, valid_blk, slot_blk = xs
+    s, allowed = _block_scores(q, k_blk, valid_blk, slot_blk, offset, slots)
+    p = jnp.exp(s - m_BxKxGxT[..., None]) / l_BxKxGxT[..., None]
+    dv_BxKxBkxHd = f32("bkgts,bkgth->bksh", p.astype(q.dtype), dout)
+    dp = f32("bkgth,bksh->bkgts", dout, v_blk.astype(q.dtype))
+    ds = jnp.where(allowed, p * (dp - delta_BxKxGxT[..., None]), 0.0) * scale
+    ds = ds.astype(q.dtype)
+    dq = dq_BxKxGxTxHd + f32("bkgts,bkhs->bkgth", ds, k_blk.astype(q.dtype))
+    dk_BxKxHdxBk = f32("bkgts,bkgth->bkhs", ds, q)
+    return dq, (dk_BxKxHdxBk, dv_BxKxBkxHd)
+
+  dq, (dk_nb, dv_nb) = _loop(body, jnp.zeros(q.shape, jnp.float32), (kb, vb, validb, slotb), how)
+  b, k, hd, s = keys.shape
+  nb = dk_nb.shape[0]
+  dkeys = dk_nb.transpose(1, 2, 3, 0, 4).reshape(b, k, hd, nb * block)[..., :s]
+  dvalues = dv_nb.transpose(1, 2, 0, 3, 4).reshape(b, k, nb * block, hd)[:, :, :s]
+  return dq.astype(q.dtype), dkeys.astype(keys.dtype), dvalues.astype(values.dtype), None, None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
+              block: int = 512, loop: str = "unrolled"):
+  """`attend(q, keys, values, visible(valid_BxS, offset, T))` over key blocks of `block` slots,
+  never materialising [T, S] scores in the forward or the backward pass; `loop` "unrolled"
+  or "scan" (`_loop`)."""
+  if loop not in ("unrolled", "scan"):
+    raise ValueError(f"blockwise: loop must be 'unrolled' or 'scan', got {loop!r}")
+  if block <= 0:
+    raise ValueError(f"model.attention_block: must be > 0, got {block}")
+  block = min(block, keys_BxKxHdxS.shape[-1])
+  offset = jnp.asarray(offset, jnp.int32)
+  return _blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS.astype(bool), offset,
+                    block, loop)
+
+
+def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
+          implementation: str | None = "cudnn"):
+  """The same attention through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU;
+  `implementation="xla"` runs its reference path anywhere, for tests)."""
+  b, k, g, t, hd = q_BxKxGxTxHd.shape
+  q_BxTxNxHd = q_BxKxGxTxHd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, hd)
+  dtype = q_BxTxNxHd.dtype
+  keys_BxSxKxHd = keys_BxKxHdxS.transpose(0, 3, 1, 2).astype(dtype)
+  values_BxSxKxHd = values_BxKxSxHd.transpose(0, 2, 1, 3).astype(dtype)
+  mask_Bx1xTxS = visible(valid_BxS.astype(bool), offset, t)[:, None]
+  out_BxTxNxHd = jax.nn.dot_product_attention(q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd,
+                                              mask=mask_Bx1xTxS, implementation=implementation)
+  return out_BxTxNxHd.reshape(b, t, k, g, hd).transpose(0, 2, 3, 1, 4)

@@ -1,0 +1,183 @@
+"""The attention paths: blockwise (and jax.nn's reference) equal the plain one in values and grads.
+
+float32 throughout; tiny shapes so that the whole file runs in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epgrpo_jax.models import LORA, LoraConfig, _attention
+from helpers import random_model, tiny_config
+
+ATOL = 1e-5
+
+
+def _inputs(b, k, g, t, s, hd, seed):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((b, k, g, t, hd)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((b, k, hd, s)), jnp.float32)
+  values = jnp.asarray(rng.standard_normal((b, k, s, hd)), jnp.float32)
+  weights = jnp.asarray(rng.standard_normal((b, k, g, t, hd)), jnp.float32)
+  return q, keys, values, weights
+
+
+def _left_padded(b, s, seed):
+  """Row 0 unpadded, row 1 left-padded, row 2 (if any) fully padded, others random holes."""
+  rng = np.random.default_rng(seed)
+  valid = rng.random((b, s)) < 0.8
+  valid[0] = True
+  if b > 1:
+    valid[1] = np.arange(s) >= s // 3
+  if b > 2:
+    valid[2] = False
+  return jnp.asarray(valid)
+
+
+def _value_and_grads(fn, q, keys, values, weights):
+  """The output and the grads of q, keys and values for the cotangent `weights`."""
+  out, vjp = jax.vjp(fn, q, keys, values)
+  return out, vjp(weights)
+
+
+class BlockwiseTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_values_and_grads_equal_plain(self):
+    # GQA (2 KV heads x 3 query heads each), 11 keys in blocks of 5: the last one is partial.
+    # (Other block sizes: test_blockwise_property and the model test.)
+    b, k, g, t, hd = 4, 2, 3, 11, 8
+    for block in (5,):
+      q, keys, values, weights = _inputs(b, k, g, t, t, hd, seed=block)
+      valid = _left_padded(b, t, seed=block)
+      plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, 0, t))
+      want = _value_and_grads(plain, q, keys, values, weights)
+      got = self.variant(lambda q, kk, v, w, block=block, valid=valid: _value_and_grads(
+          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 0, block=block), q, kk, v, w))(
+              q, keys, values, weights)
+      chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_queries_behind_an_offset_equal_plain(self):
+    # A cache prefill: 5 queries at slots 4..8 of 13 (later slots are not yet written), blocks
+    # of 7.
+    b, k, g, t, s, hd = 3, 1, 2, 5, 13, 4
+    q, keys, values, weights = _inputs(b, k, g, t, s, hd, seed=3)
+    valid = _left_padded(b, s, seed=3)
+    offset = jnp.int32(4)
+    plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, offset, t))
+    want = _value_and_grads(plain, q, keys, values, weights)
+    got = self.variant(lambda q, kk, v, w, off: _value_and_grads(
+        lambda q, kk, v: _attention.blockwise(q, kk, v, valid, off, block=7), q, kk, v, w))(
+            q, keys, values, weights, offset)
+    chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_jax_nn_reference_equals_plain_where_a_key_is_visible(self):
+    # The cudnn path's call (layouts, GQA, mask) run by jax.nn's XLA implementation. Rows with
+    # no visible key differ (jax.nn's own masking), so only rows that see a key are compared.
+    b, k, g, t, hd = 3, 2, 2, 9, 8
+    q, keys, values, _ = _inputs(b, k, g, t, t, hd, seed=5)
+    valid = _left_padded(2, t, seed=5)
+    valid = jnp.concatenate([valid, valid[:1]])
+    seen_BxT = _attention.visible(valid, 0, t).any(-1)
+    want = _attention.attend(q, keys, values, _attention.visible(valid, 0, t))
+    got = self.variant(lambda *a: _attention.cudnn(*a, implementation="xla"))(
+        q, keys, values, valid)
+    mask = np.broadcast_to(np.asarray(seen_BxT)[:, None, None, :, None], want.shape)
+    chex.assert_trees_all_close(np.asarray(got)[mask], np.asarray(want)[mask], atol=ATOL, rtol=0)
+
+
+@jax.jit
+def _both(q, keys, values, weights, valid, offset):
+  plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, offset, q.shape[3]))
+  blockwise = lambda q, kk, v: _attention.blockwise(q, kk, v, valid, offset, block=3)
+  scan = lambda q, kk, v: _attention.blockwise(q, kk, v, valid, offset, block=3, loop="scan")
+  want = _value_and_grads(plain, q, keys, values, weights)
+  return (_value_and_grads(blockwise, q, keys, values, weights),
+          _value_and_grads(scan, q, keys, values, weights)), (want, want)
+
+
+@settings(max_examples=12)
+@given(valid=st.lists(st.booleans(), min_size=2 * 10, max_size=2 * 10),
+       offset=st.integers(0, 4), seed=st.integers(0, 2 ** 16))
+def test_blockwise_property(valid, offset, seed):
+  # Any validity pattern (rows of 10 slots in blocks of 3), any query offset: one compile.
+  q, keys, values, weights = _inputs(2, 2, 2, 6, 10, 4, seed)
+  got, want = _both(q, keys, values, weights, jnp.asarray(valid).reshape(2, 10), offset)
+  chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_model_blockwise_equals_plain_with_remat_and_lora():
+  # Through the whole model: left padding, GQA, remat, LoRA grads; block 4 over 9 tokens.
+  lora = LoraConfig(rank=2, alpha=4.0)
+  cfg = tiny_config(num_layers=1, remat=True)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(2, 97, (3, 9)), jnp.int32)
+  mask = jnp.asarray(np.arange(9)[None] >= np.asarray([[0], [4], [9]]))  # row 2: all padding
+  positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
+
+  def loss(model):
+    hidden, _ = model(tokens, positions, mask)
+    return jnp.sum(jnp.where(mask[..., None], model.logits(hidden), 0.0) ** 2) / 100
+
+  grad = nnx.jit(nnx.value_and_grad(loss, argnums=nnx.DiffState(0, LORA)))
+  results = {}
+  for name in ("plain", "blockwise"):
+    model = random_model(cfg.replace(attention=name, attention_block=4), lora=lora, seed=7)
+    value, grads = grad(model)
+    results[name] = (value, nnx.to_pure_dict(grads))
+  chex.assert_trees_all_close(results["blockwise"], results["plain"], atol=ATOL, rtol=1e-6)
+
+
+def test_auto_choice_and_config_errors():
+  # CPU: plain (fastest at the project's CPU shapes); GPU bf16: cuDNN; GPU fp32 and TPU: blockwise.
+  assert _attention.resolve("auto", jnp.float32) == "plain"
+  assert _attention.resolve("auto", jnp.float32, backend="cpu") == "plain"
+  assert _attention.resolve("auto", jnp.bfloat16, backend="gpu") == "cudnn"
+  assert _attention.resolve("auto", jnp.float32, backend="gpu") == "blockwise"
+  assert _attention.resolve("auto", jnp.bfloat16, backend="tpu") == "blockwise"
+  assert _attention.resolve("blockwise", jnp.float32) == "blockwise"
+  with pytest.raises(ValueError, match="model.attention"):
+    tiny_config(attention="flash")
+  with pytest.raises(ValueError, match="model.attention_block"):
+    tiny_config(attention_block=0)
+
+
+def test_blockwise_backward_temporaries_shrink():
+  # Compiled grad programs at T = 512: plain holds [T, T] scores and probabilities; the scan
+  # holds one [T, 64] block at a time, the fenced unrolled loop (the model's) less than plain.
+  b, k, g, t, hd = 1, 1, 2, 512, 16
+  q, keys, values, weights = _inputs(b, k, g, t, t, hd, seed=0)
+  valid = jnp.ones((b, t), bool)
+  fns = {"plain": lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, 0, t)),
+         "scan": lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 0, block=64, loop="scan"),
+         "unrolled": lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 0, block=64)}
+  temp = {name: jax.jit(lambda q, kk, v, w, fn=fn: _value_and_grads(fn, q, kk, v, w)).lower(
+      q, keys, values, weights).compile().memory_analysis().temp_size_in_bytes
+      for name, fn in fns.items()}
+  scores = b * k * g * t * t * 4
+  print(f"\ngrad temporaries at T={t}, MiB: " + ", ".join(f"{n} {v / 2**20:.1f}" for n, v in temp.items())
+        + f" (one [T, T] float32 score matrix: {scores / 2**20:.1f})")
+  assert temp["plain"] >= scores
+  assert temp["scan"] < scores / 2
+  assert temp["unrolled"] < temp["plain"]
+
+
+def test_training_config_reaches_the_model():
+  from epgrpo_jax.config import ModelSection
+  from epgrpo_jax.trainer import _with_runtime_options
+  model = random_model(tiny_config())
+  section = ModelSection(remat=True, attention="blockwise", attention_block=64)
+  cfg = _with_runtime_options(model, section).cfg
+  assert (cfg.remat, cfg.attention, cfg.attention_block) == (True, "blockwise", 64)
+  with pytest.raises(ValueError, match="model.attention"):
+    ModelSection(attention="flash")
+  with pytest.raises(ValueError, match="model.attention_block"):
+    ModelSection(attention_block=0)
