@@ -17,6 +17,7 @@ weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -36,6 +37,21 @@ from epgrpo_jax.models import cpu_kernels as _cpu_kernels
 logger = logging.getLogger("epgrpo_jax.sampling")
 
 _INT_MAX = np.iinfo(np.int32).max
+_SHARED_PROGRAMS: dict | None = None  # set by `shared_programs`
+
+
+@contextlib.contextmanager
+def shared_programs():
+  """Samplers share their compiled programs within this context: one with the same config,
+  stop ids, mesh and argument signature reuses another's instead of tracing its own
+  (`experiments.compare`, which builds a trainer per run in one process)."""
+  global _SHARED_PROGRAMS
+  previous = _SHARED_PROGRAMS
+  _SHARED_PROGRAMS = {} if previous is None else previous
+  try:
+    yield
+  finally:
+    _SHARED_PROGRAMS = previous
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -415,6 +431,11 @@ class Sampler:
     signature = (graphdef, treedef, p, tp, n, g,
                  tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
     program = self._programs.get(signature)
+    shared_key = (self.config, self.eos_ids, self.pad_id, self.mesh, signature)
+    if program is None and _SHARED_PROGRAMS is not None:
+      program = _SHARED_PROGRAMS.get(shared_key)
+      if program is not None:
+        self._programs[signature] = program
     if program is None:
       start = time.perf_counter()
       kernels = self._use_cpu_kernels()
@@ -426,6 +447,8 @@ class Sampler:
       with decode_kernel(attention):  # read while tracing
         program = fn.lower(*args).compile()
       self._programs[signature] = program
+      if _SHARED_PROGRAMS is not None:
+        _SHARED_PROGRAMS[shared_key] = program
       self.num_compilations += 1
       logger.info("compiled sampler program %d: prompts=%d prompt_len=%d gen_len=%d samples=%d "
                   "(%.1fs)", self.num_compilations, p, tp, n, g, time.perf_counter() - start)

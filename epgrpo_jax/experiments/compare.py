@@ -596,13 +596,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfgs = check_plan(plan)
     plan.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
+      from epgrpo_jax.sampling import shared_programs
       start = time.perf_counter()
-      for v in plan.variants:
-        for s in plan.seeds:
-          if run_one(plan, v, s, cfgs[(v.name, s)]) is None:
-            print(f"[compare] stopped during {v.name} seed {s}; rerun the same command to resume",
-                  file=sys.stderr)
-            return 130
+      with shared_programs():  # the runs' samplers trace each program shape once
+        for v in plan.variants:
+          for s in plan.seeds:
+            if run_one(plan, v, s, cfgs[(v.name, s)]) is None:
+              print(f"[compare] stopped during {v.name} seed {s}; rerun the same command to "
+                    f"resume", file=sys.stderr)
+              return 130
       print(f"[compare] all runs done in {time.perf_counter() - start:.0f}s", flush=True)
     results = load_results(plan)
     curves = write_curves(plan, results)
