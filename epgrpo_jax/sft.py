@@ -314,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   cli.setup_logging()
 
   def run() -> int:
-    cfg = SFTConfig(model=args.model, data=args.data, out=args.out, steps=args.steps, lr=args.lr,
+    home = lambda s: str(Path(s).expanduser())  # `--out=~/x` reaches us unexpanded
+    cfg = SFTConfig(model=home(args.model), data=home(args.data), out=home(args.out),
+                    steps=args.steps, lr=args.lr,
                     batch_size=args.batch_size, seed=args.seed, warmup_ratio=args.warmup_ratio,
                     schedule=args.schedule, weight_decay=args.weight_decay,
                     max_length=args.max_length, prompt_field=args.prompt_field,
