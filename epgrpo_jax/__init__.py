@@ -1,14 +1,20 @@
 """EP-GRPO and GRPO in JAX / Flax NNX.
 
-The advantage pipeline and the loss are imported here; the configuration,
-sampler and rewards load on first use (they pull in Flax, Grain, Orbax and
-transformers). The training loop is `epgrpo_jax.trainer.train`.
+The public names below (the advantage pipeline, the loss, the configuration,
+sampler and rewards) load on first use. The training loop is
+`epgrpo_jax.trainer.train`.
 """
 
-from epgrpo_jax.advantages import VARIANTS, AdvantageConfig, Components, compute_advantages
-from epgrpo_jax.losses import LossConfig, policy_loss, token_logprob_entropy
-
+# Everything loads on first use, so that importing one module (`epgrpo_jax.rewards` in a reward
+# worker, `epgrpo_jax.errors`) does not pull in JAX through this file.
 _LAZY = {
+    "VARIANTS": "epgrpo_jax.advantages",
+    "AdvantageConfig": "epgrpo_jax.advantages",
+    "Components": "epgrpo_jax.advantages",
+    "compute_advantages": "epgrpo_jax.advantages",
+    "LossConfig": "epgrpo_jax.losses",
+    "policy_loss": "epgrpo_jax.losses",
+    "token_logprob_entropy": "epgrpo_jax.losses",
     "TrainConfig": "epgrpo_jax.config",
     "load_config": "epgrpo_jax.config",
     "Sampler": "epgrpo_jax.sampling",
@@ -17,8 +23,7 @@ _LAZY = {
     "RewardScorer": "epgrpo_jax.rewards",
 }
 
-__all__ = ["VARIANTS", "AdvantageConfig", "Components", "compute_advantages", "LossConfig",
-           "policy_loss", "token_logprob_entropy", *_LAZY]
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str):

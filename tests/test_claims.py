@@ -15,13 +15,15 @@ REPO = TESTS.parent
 
 
 def test_hypothesis_example_counts_come_from_the_profile_alone():
+  # A test may scale the profile's count (settings.default.max_examples // n), never fix its own.
   assert settings.get_profile("ci").max_examples == 500
   assert settings.get_profile("dev").max_examples == 50
   pinned = []
   for path in sorted(TESTS.glob("test_*.py")):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "settings":
-        pinned += [f"{path.name}:{node.lineno}" for kw in node.keywords if kw.arg == "max_examples"]
+        pinned += [f"{path.name}:{node.lineno}" for kw in node.keywords
+                   if kw.arg == "max_examples" and isinstance(kw.value, ast.Constant)]
   assert not pinned, pinned
 
 
