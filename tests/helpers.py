@@ -91,3 +91,13 @@ def tiny_hf_dir(tmp_path: str | Path, *, name: str = "tiny-qwen2", seed: int = 0
     tok_dir = qwen_tokenizer_dir() if tokenizer is True else Path(tokenizer)
   save_pretrained(model, directory, tokenizer_dir=tok_dir, max_shard_bytes=max_shard_bytes)
   return directory
+
+
+def torch_logits(model, tokens_BxT, mask_BxT, positions_BxT) -> np.ndarray:
+  """Float32 logits [B, T, V] of a transformers causal LM, with explicit position ids."""
+  import torch
+  with torch.no_grad():
+    out = model(input_ids=torch.as_tensor(tokens_BxT, dtype=torch.long),
+                attention_mask=torch.as_tensor(mask_BxT, dtype=torch.long),
+                position_ids=torch.as_tensor(positions_BxT, dtype=torch.long))
+  return out.logits.float().numpy()

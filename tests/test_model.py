@@ -27,7 +27,7 @@ from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, en
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
                                rope, rope_table, save_pretrained, stop_token_ids, unmerge_lora)
 from epgrpo_jax.sharding import MeshConfig, make_mesh, param_sharding
-from helpers import random_model, tiny_config, tiny_hf_dir
+from helpers import random_model, tiny_config, tiny_hf_dir, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -81,12 +81,7 @@ def hf_model(directory: Path):
   return model.eval()
 
 
-def hf(model, tokens, mask, positions) -> np.ndarray:
-  with torch.no_grad():
-    out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
-                attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                position_ids=torch.as_tensor(positions, dtype=torch.long))
-  return out.logits.float().numpy()
+hf = torch_logits  # float32 logits of a transformers model
 
 
 def token_logprobs(logits_BxTxV: np.ndarray, tokens, mask, backend: str) -> np.ndarray:

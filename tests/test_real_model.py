@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from helpers import torch_logits
+
 REAL = os.environ.get("EPGRPO_REAL_MODEL", "")
 pytestmark = [pytest.mark.real_model,
               pytest.mark.skipif(not REAL, reason="EPGRPO_REAL_MODEL is unset (a Qwen2/Qwen2.5 "
@@ -76,12 +78,7 @@ def hf_model(model_dir: str | Path):
       str(model_dir), dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def hf_logits(model, tokens_BxT, mask_BxT, positions_BxT) -> np.ndarray:
-  with torch.inference_mode():
-    out = model(input_ids=torch.as_tensor(tokens_BxT, dtype=torch.long),
-                attention_mask=torch.as_tensor(mask_BxT, dtype=torch.long),
-                position_ids=torch.as_tensor(positions_BxT, dtype=torch.long))
-  return out.logits.float().numpy()
+hf_logits = torch_logits
 
 
 def our_greedy(model, prompts, eos_ids, pad_id: int, n: int = GREEDY_TOKENS) -> list[list[int]]:
