@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -198,16 +200,18 @@ def test_bfloat16_logit_error_and_greedy_agreement(setup, fp32_logits, fp32_mode
 # ----------------------------------------------------------------------------- (c) RL smoke
 
 def test_rl_smoke_config_three_steps_and_export(tmp_path):
-  """configs/qwen2.5-0.5b-real-smoke.yaml: 3 EP-GRPO steps, finite metrics, KL > 0 after the
-  first update; the merged export loads in transformers with our fp32 logits (<= 1e-3)."""
-  from epgrpo_jax.config import load_config
-  from epgrpo_jax.models import from_pretrained
-  from epgrpo_jax.trainer import train
+  """configs/qwen2.5-0.5b-real-smoke.yaml through the training command (a subprocess on one
+  CPU device, as a user runs it, not the session's 8 fake devices): 3 EP-GRPO steps, finite
+  metrics, KL > 0 after the first update; the merged export loads in transformers with our
+  fp32 logits (<= 1e-3)."""
+  from epgrpo_jax.models import from_pretrained, load_tokenizer
 
   out = tmp_path / "run"
-  cfg = load_config(SMOKE_CONFIG, [f"model.path={REAL}", f"train.output_dir={out}",
-                                   f"data.train_files=[{PROMPTS_FILE}]"])
-  summary = train(cfg)
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run([sys.executable, "-m", "epgrpo_jax.train", "--config", str(SMOKE_CONFIG),
+                  f"model.path={REAL}", f"train.output_dir={out}",
+                  f"data.train_files=[{PROMPTS_FILE}]"], check=True, env=env, cwd=ROOT)
+  summary = json.loads((out / "summary.json").read_text())
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in rows if "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3]
@@ -223,7 +227,6 @@ def test_rl_smoke_config_three_steps_and_export(tmp_path):
 
   policy = Path(summary["policy_dir"])
   prompts = chat_prompts(policy, 2)
-  from epgrpo_jax.models import load_tokenizer
   tok = load_tokenizer(policy)
   batch = left_padded(prompts, tok.pad_token_id if tok.pad_token_id is not None else 0)
   ours = our_logits(from_pretrained(policy, dtype="float32", param_dtype="float32"), *batch)
