@@ -4,13 +4,13 @@ Builds the trainer of `configs/qwen2.5-0.5b-real-smoke.yaml` (2 prompts x 4
 samples, 256 new tokens, LoRA r32 on every linear layer, bf16 base) on
 `--model`, runs its steps with `Trainer.step` and prints per step: sampling,
 the rest before the update (scoring + reference passes, rewards, advantage),
-the update, and the process's peak resident memory. Then it compiles the
-update program for the last step's shapes and reads its `memory_analysis()`
-and optimised HLO: every float32 buffer with a vocabulary-sized dimension is
-listed, and the check is that none holds one logit row per scored token
-([B, T, V]: the chunked LM-head loss should keep them to chunks). Last, the
-merged policy is exported, loaded by transformers, and its float32 logits are
-compared with ours.
+the update, and the process's peak resident memory. Before the steps it
+compiles the update program (with remat: its gradient program) for the
+config's largest shapes and reads its `memory_analysis()` and optimised HLO:
+every float32 buffer with a vocabulary-sized dimension is listed, and the check
+is that none holds one logit row per scored token ([B, T, V]: the chunked
+LM-head loss should keep them to chunks). Last, the merged policy is exported,
+loaded by transformers, and its float32 logits are compared with ours.
 
   python benchmarks/real_rl_smoke.py [--model DIR] [--out DIR] [key=value ...]
 
@@ -63,7 +63,6 @@ def main():
   import numpy as np
 
   from epgrpo_jax.config import load_config
-  from epgrpo_jax.steps import UpdateBatch
   from epgrpo_jax.trainer import Trainer
 
   sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -79,6 +78,7 @@ def main():
         f"peak RSS {peak_rss_gib():.2f} GiB", flush=True)
   steps = []
   try:
+    mem, buffers, over = update_program_check(trainer)
     for _ in range(cfg.train.steps):
       state, m, record = trainer.step(state)
       rest = m["step_time"] - m["sample_time"] - m["update_time"]
@@ -92,27 +92,6 @@ def main():
             f"{m['reward']:.2f} kl {m['kl']:.3e} loss {m['loss']:.3e} grad_norm {m['grad_norm']:.3f} "
             f"mean length {m['completions/mean_length']:.0f}; peak RSS {peak_rss_gib():.2f} GiB; "
             f"non-finite metrics: {bad or 'none'}; load {C.load1():.2f}", flush=True)
-
-    # The update program at the last step's shapes: XLA's memory figures and its HLO.
-    p, g = cfg.train.prompts_per_step, cfg.train.num_generations
-    adv = record["advantage"].reshape(p * g, -1)
-    batch = UpdateBatch(rollout=record["rollout"], logp_old=adv, logp_ref=adv, advantage=adv)
-    compiled = trainer.fns.update_program.lower(state.trainable, state.opt_state,
-                                                trainer.policy.frozen, batch, None).compile()
-    mem = compiled.memory_analysis()
-    b, n = adv.shape
-    tp = record["rollout"].prompt_ids.shape[1]
-    v = trainer.model_cfg.vocab_size
-    full = b * (tp + n - 1) * v * 4
-    buffers = vocab_buffers(compiled.as_text(), v)
-    over = [(s, e) for s, e in buffers if e >= b * n * v]
-    print(f"update program: B={b}, prompt slots {tp}, completion N={n}; temporaries "
-          f"{mem.temp_size_in_bytes / 2**20:.0f} MiB, arguments {mem.argument_size_in_bytes / 2**20:.0f} "
-          f"MiB, outputs {mem.output_size_in_bytes / 2**20:.0f} MiB; one [B, N, V] float32 logits "
-          f"array would be {b * n * v * 4 / 2**20:.0f} MiB ([B, Tp + N - 1, V]: {full / 2**20:.0f} MiB)")
-    print("float32 buffers with a vocabulary dimension in the optimised HLO: "
-          + (", ".join(f"{s} ({e * 4 / 2**20:.0f} MiB)" for s, e in buffers) or "none"))
-    print(f"[B, T, V] float32 buffers: {'none' if not over else over}", flush=True)
 
     # The merged export, in transformers vs ours (float32).
     export_start = time.perf_counter()
@@ -131,6 +110,52 @@ def main():
         and all(np.isfinite([s["loss"], s["kl"], s["grad_norm"]]).all() for s in steps))
   print("PASS" if ok else "FAIL")
   return 0 if ok else 1
+
+
+def update_program_check(trainer):
+  """Compiles the update (with remat: its gradient program, which holds the loss) for a
+  rollout of the config's largest shapes (the longest training prompt's bucket, every
+  completion at max_new_tokens), before any step; prints XLA's memory figures and the
+  float32 buffers with a vocabulary dimension. Returns (memory, buffers, [B, T, V] ones)."""
+  import jax
+  import jax.numpy as jnp
+
+  from epgrpo_jax.sampling import bucket
+  from epgrpo_jax.steps import Rollout, UpdateBatch
+
+  cfg, fns = trainer.cfg, trainer.fns
+  b = cfg.train.prompts_per_step * cfg.train.num_generations
+  tp = bucket(max(len(e.prompt_ids) for e in trainer.train_examples), cfg.sampling.prompt_buckets)
+  n = bucket(cfg.sampling.max_new_tokens, cfg.sampling.length_buckets)
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  flag = lambda *s: jax.ShapeDtypeStruct(s, jnp.bool_)
+  batch = UpdateBatch(rollout=Rollout(i32(b, tp), flag(b, tp), i32(b, n), flag(b, n)),
+                      logp_old=f32(b, n), logp_ref=f32(b, n), advantage=f32(b, n))
+  start = time.perf_counter()
+  if fns.split_update:
+    compiled = fns.gradients_program.lower(trainer.policy.trainable, trainer.policy.frozen,
+                                           batch).compile()
+  else:
+    opt_state = jax.eval_shape(trainer.tx.init, trainer.policy.trainable)
+    compiled = fns.update_program.lower(trainer.policy.trainable, opt_state,
+                                        trainer.policy.frozen, batch, None).compile()
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  v = trainer.model_cfg.vocab_size
+  buffers = vocab_buffers(compiled.as_text(), v)
+  over = [(s, e) for s, e in buffers if e >= b * n * v]
+  which = "gradient program (remat)" if fns.split_update else "update program"
+  print(f"{which} for B={b}, prompt slots {tp}, completion N={n} (compiled in {seconds:.0f}s): "
+        f"temporaries {mem.temp_size_in_bytes / 2**20:.0f} MiB, arguments "
+        f"{mem.argument_size_in_bytes / 2**20:.0f} MiB, outputs {mem.output_size_in_bytes / 2**20:.0f} "
+        f"MiB; one [B, N, V] float32 logits array would be {b * n * v * 4 / 2**20:.0f} MiB "
+        f"([B, Tp + N - 1, V]: {b * (tp + n - 1) * v * 4 / 2**20:.0f} MiB); peak RSS "
+        f"{peak_rss_gib():.2f} GiB")
+  print("float32 buffers with a vocabulary dimension in the optimised HLO: "
+        + (", ".join(f"{s} ({e * 4 / 2**20:.0f} MiB)" for s, e in buffers) or "none"))
+  print(f"[B, T, V] float32 buffers: {'none' if not over else over}", flush=True)
+  return mem, buffers, over
 
 
 def export_parity(policy: Path, trainer) -> float:
