@@ -82,6 +82,44 @@ def head_matmul(model, rows: int):
   return run
 
 
+def parts_only(args) -> None:
+  """The head matmul, temperature + top-p + draw, and greedy, each jitted and timed alone on
+  one decode step's [B, V] at the model's shapes (random values; medians of --runs)."""
+  import jax
+  import jax.numpy as jnp
+
+  from epgrpo_jax.models import _cpu_kernels, load_config
+  from epgrpo_jax.sampling import SamplingConfig, largest_threshold, sample_step
+
+  import _common as C
+
+  cfg = load_config(args.model)
+  rows, v, d = args.prompts * args.samples, cfg.vocab_size, cfg.hidden_size
+  dtype = jnp.dtype(args.dtype)
+  key = jax.random.key(0)
+  head_DxV = (0.02 * jax.random.normal(key, (d, v))).astype(dtype)
+  hidden_BxD = jax.random.normal(jax.random.fold_in(key, 1), (rows, d)).astype(dtype)
+  logits_BxV = jnp.dot(hidden_BxD, head_DxV, preferred_element_type=jnp.float32) * 10
+  kernels = _cpu_kernels.available() and jax.default_backend() == "cpu"
+  threshold = _cpu_kernels.largest_threshold if kernels else largest_threshold
+  top_p = SamplingConfig(temperature=1.0, top_p=0.95)
+  head = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
+  choose = jax.jit(lambda k, x: sample_step(k, x, top_p, threshold))
+  choose_xla = jax.jit(lambda k, x: sample_step(k, x, top_p, largest_threshold))
+  greedy = jax.jit(lambda k, x: sample_step(k, x, SamplingConfig(greedy=True)))
+  calls = {"head matmul": lambda: head(hidden_BxD, head_DxV).block_until_ready(),
+           "T + top-p + draw": lambda: jax.block_until_ready(choose(key, logits_BxV)),
+           "  (XLA threshold)": lambda: jax.block_until_ready(choose_xla(key, logits_BxV)),
+           "greedy": lambda: jax.block_until_ready(greedy(key, logits_BxV))}
+  ms = {k: t * 1e3 for k, t in C.alternating_medians(calls, args.runs).items()}
+  print(C.machine_line())
+  print(f"{args.model} shapes ({args.dtype} head), one decode step of {rows} rows, vocabulary {v}, "
+        f"hidden {d}; C++ threshold kernel: {'yes' if kernels else 'no'}; median of {args.runs}")
+  for name, t in ms.items():
+    print(f"  {name:18s} {t:8.2f} ms")
+  print(f"load average at end {C.load1():.2f}")
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--runs", type=int, default=5)
@@ -94,7 +132,14 @@ def main():
   ap.add_argument("--samples", type=int, default=ROWS // PROMPTS)
   ap.add_argument("--new-tokens", type=int, default=NEW)
   ap.add_argument("--variants", default=",".join(v.replace(" ", "-") for v in VARIANTS))
+  ap.add_argument("--parts-only", action="store_true",
+                  help="with --model: time only the head matmul and the per-step token choice "
+                  "on random weights of the model's shapes (no weights loaded, no sampler)")
   args = ap.parse_args()
+  if args.parts_only:
+    if not args.model:
+      ap.error("--parts-only: needs --model")
+    return parts_only(args)
   prompts, rows, new = args.prompts, args.prompts * args.samples, args.new_tokens
   wanted = [v.strip().replace("-", " ") for v in args.variants.split(",") if v.strip()]
   if unknown := [v for v in wanted if v not in VARIANTS]:
