@@ -137,3 +137,13 @@ def rl_step_config(task, out_dir: str | Path, *overrides: str):
       "train.num_generations=4", "sampling.max_new_tokens=16", "lora.rank=4",
       f"train.output_dir={out_dir}", "logging.progress=false", "logging.tensorboard=false",
       "logging.samples_every=0", *overrides)
+
+
+def torch_logits(model, tokens_BxT, mask_BxT, positions_BxT) -> np.ndarray:
+  """Float32 logits [B, T, V] of a transformers causal LM, with explicit position ids."""
+  import torch
+  with torch.no_grad():
+    out = model(input_ids=torch.as_tensor(tokens_BxT, dtype=torch.long),
+                attention_mask=torch.as_tensor(mask_BxT, dtype=torch.long),
+                position_ids=torch.as_tensor(positions_BxT, dtype=torch.long))
+  return out.logits.float().numpy()

@@ -14,8 +14,10 @@ from epgrpo_jax.config import CONFIG_DIR, TrainConfig, load_config
 from helpers import tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("qwen2.5-*.yaml"))
-EMBEDDED_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml") if p.name not in PAPER_CONFIGS)
+REAL_SMOKE_CONFIG = "qwen2.5-0.5b-real-smoke.yaml"  # tests/test_real_model.py runs it
+PAPER_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("qwen2.5-*.yaml") if p.name != REAL_SMOKE_CONFIG)
+EMBEDDED_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml")
+                          if p.name not in PAPER_CONFIGS and p.name != REAL_SMOKE_CONFIG)
 
 
 def test_default_file_equals_dataclass_defaults():
@@ -50,6 +52,15 @@ def test_paper_configs_load_with_a_local_model(name, tmp_path, monkeypatch):
   ep = "epgrpo" in name
   a = cfg.advantage
   assert (a.entropy_gate, a.progress_signal, a.zero_variance_anchor) == (ep, ep, ep)
+
+
+def test_real_smoke_config_loads_with_a_local_model(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)  # its data path is relative to the repository root
+  cfg = load_config(CONFIG_DIR / REAL_SMOKE_CONFIG, [f"model.path={tiny_hf_dir(tmp_path)}"])
+  t, lora = cfg.train, cfg.lora
+  assert (t.steps, t.prompts_per_step, t.num_generations, cfg.sampling.max_new_tokens) == (3, 2, 4, 256)
+  assert lora.rank == 32 and set(lora.targets) == {"q", "k", "v", "o", "gate", "up", "down"}
+  assert cfg.model.param_dtype == "bfloat16" and not cfg.model.full_finetune
 
 
 def test_paper_config_without_model_path_is_a_one_line_error(monkeypatch):

@@ -27,7 +27,7 @@ from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, en
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
                                rope, rope_table, save_pretrained, stop_token_ids, unmerge_lora)
 from epgrpo_jax.sharding import MeshConfig, make_mesh, param_sharding
-from helpers import random_model, tiny_config, tiny_hf_dir
+from helpers import random_model, tiny_config, tiny_hf_dir, torch_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -81,12 +81,7 @@ def hf_model(directory: Path):
   return model.eval()
 
 
-def hf(model, tokens, mask, positions) -> np.ndarray:
-  with torch.no_grad():
-    out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
-                attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                position_ids=torch.as_tensor(positions, dtype=torch.long))
-  return out.logits.float().numpy()
+hf = torch_logits  # float32 logits of a transformers model
 
 
 def token_logprobs(logits_BxTxV: np.ndarray, tokens, mask, backend: str) -> np.ndarray:
@@ -268,7 +263,13 @@ def test_bfloat16_compute_and_params_are_close(base_dir):
     err = np.abs(got - ref).max()
     print(f"\nbf16 compute, {param_dtype} params: max abs logit diff {err:.3f} "
           f"(logit scale {np.abs(ref).max():.2f})")
-    assert err < 0.1 * np.abs(ref).max()
+    # Derived from the real checkpoint (tests/test_real_model.py, docs/real-model.md): bf16
+    # compute and weights on Qwen2.5-Coder-0.5B (24 layers) gave a largest logit error of
+    # 1.1% of the largest |logit| (0.405 of 37.3; top-1 agreement 99.75%). This random tiny
+    # model (weights of std 0.2) measures 1.5% (float32 params) and 1.7% (bfloat16 params),
+    # the same order. Bound: 2% of the logit scale, twice the real model's ratio rounded up
+    # (about 5 bf16 unit roundoffs, 2^-8 each); the old bound was 10%.
+    assert err < 0.02 * np.abs(ref).max()
 
 
 def test_remat_gives_same_values_and_grads():
