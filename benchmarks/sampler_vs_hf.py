@@ -227,7 +227,7 @@ def main():
       for total in (16, 32, 64, 128, 256):
         report(total // args.samples, args.samples)
     print(f"[{dtype}] sampler compilations: {sampler.num_compilations}")
-    del model, hf, graphdef, state, sampler
+    model = hf = graphdef = state = sampler = None  # free this dtype's weights before the next
     gc.collect()
   print(f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
         f"load average at end {C.load1():.2f}")
