@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from epgrpo_jax import catalog
 from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.rewards import extract_boxed
-from epgrpo_jax.rows import read_rows
+from epgrpo_jax.rows import get_field, read_rows
 
 log = logging.getLogger("epgrpo_jax.benchmarks")
 
@@ -176,20 +176,6 @@ def parse_benchmark_files(items: Iterable[str]) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------
 # Reading rows
-
-
-def get_field(row: Any, dotted: str) -> Any:
-  """`row['a'][0]['b']` for 'a.0.b'; None when any part is missing."""
-  node = row
-  for part in dotted.split("."):
-    if isinstance(node, Mapping) and part in node:
-      node = node[part]
-    elif (isinstance(node, Sequence) and not isinstance(node, str)
-          and part.isdigit() and int(part) < len(node)):
-      node = node[int(part)]
-    else:
-      return None
-  return node
 
 
 # Bad JSON escapes turn "\frac" into FORM FEED + "rac" and "\binom" into

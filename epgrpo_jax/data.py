@@ -25,7 +25,7 @@ import grain
 from epgrpo_jax import catalog
 from epgrpo_jax.errors import MissingFileError, UserError
 from epgrpo_jax.models import render_prompt
-from epgrpo_jax.rows import check_saved_dataset, data_stem, read_rows
+from epgrpo_jax.rows import check_saved_dataset, data_stem, get_field, read_rows
 
 log = logging.getLogger("epgrpo_jax.data")
 
@@ -155,19 +155,6 @@ class SkipCounts(collections.Counter):
 
   def summary(self) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(self.items()) if v) or "none"
-
-
-def get_field(row: dict, dotted: str) -> Any:
-  """`row['a']['b']` for 'a.b'; integer parts index lists ('prompt.0.content')."""
-  node: Any = row
-  for part in dotted.split("."):
-    if isinstance(node, dict) and part in node:
-      node = node[part]
-    elif isinstance(node, (list, tuple)) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
-      node = node[int(part)]
-    else:
-      return None
-  return node
 
 
 def _is_scalar(value: Any) -> bool:

@@ -14,7 +14,7 @@ import json
 import logging
 import lzma
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from epgrpo_jax.errors import MissingFileError, UserError
 
@@ -128,3 +128,18 @@ def read_rows(path: str | Path, skipped: collections.Counter | None = None,
   if Path(data_name(path)).suffix.lower() == ".json" or raw.removeprefix(UTF8_BOM).lstrip().startswith(b"["):
     return json_array_rows(path, raw)
   return jsonl_rows(path, raw, skipped)
+
+
+def get_field(row: Any, dotted: str) -> Any:
+  """`row['a'][0]['b']` for 'a.0.b' (a negative index counts from the end); None when any
+  part is missing."""
+  node = row
+  for part in dotted.split("."):
+    if isinstance(node, Mapping) and part in node:
+      node = node[part]
+    elif (isinstance(node, Sequence) and not isinstance(node, (str, bytes))
+          and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node)):
+      node = node[int(part)]
+    else:
+      return None
+  return node
