@@ -33,6 +33,27 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
   return code, errors[-1] if errors else ""
 
 
+def _tree(directory: Path) -> dict[str, bytes]:
+  return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*"))
+          if f.is_file()}
+
+
+@pytest.fixture
+def untouched_cwd(tmp_path, monkeypatch):
+  """Runs the test in a directory holding a user's config.yaml and an earlier run under the
+  default train.output_dir, and checks afterwards that nothing there changed or appeared."""
+  cwd = tmp_path / "cwd"
+  (cwd / "runs" / "default" / "checkpoints" / "5").mkdir(parents=True)
+  (cwd / "config.yaml").write_text("train: {steps: 7}\n")
+  (cwd / "runs" / "default" / "config.yaml").write_text("train: {steps: 5}\n")
+  (cwd / "runs" / "default" / "metrics.jsonl").write_text('{"step": 5, "reward": 0.5}\n')
+  (cwd / "runs" / "default" / "checkpoints" / "5" / "state").write_bytes(b"\x00" * 64)
+  monkeypatch.chdir(cwd)
+  before = _tree(cwd)
+  yield cwd
+  assert _tree(cwd) == before
+
+
 # (overrides, expected error line). Each is checked before any model or data is loaded.
 CONFIG_CASES = [
     (["train.steps=abc"], "error: train.steps: expected an integer, got 'abc'"),
@@ -83,6 +104,7 @@ CONFIG_CASES = [
 
 
 @pytest.mark.parametrize("overrides,expected", CONFIG_CASES, ids=[c[0][0] for c in CONFIG_CASES])
+@pytest.mark.usefixtures("untouched_cwd")
 def test_config_errors(capsys, overrides, expected):
   code, line = run_cli(capsys, *overrides)
   assert code == 2
@@ -92,6 +114,7 @@ def test_config_errors(capsys, overrides, expected):
     assert line == expected
 
 
+@pytest.mark.usefixtures("untouched_cwd")
 def test_config_file_errors(capsys, tmp_path):
   code, line = run_cli(capsys, "--config", str(tmp_path / "missing.yaml"))
   assert (code, line) == (2, f"error: --config: file not found: {tmp_path / 'missing.yaml'}")
