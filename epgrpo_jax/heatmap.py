@@ -386,7 +386,6 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
   data gives it. The run directory is only read: the trainer writes to a scratch directory.
   """
   import dataclasses
-  import itertools
   import shutil
 
   from epgrpo_jax import data, evaluate
@@ -429,10 +428,9 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
     parse_gold(str(answer))  # fails early on an unusable answer
     example = data.Example(id=known[problem].id if problem in known else "cli", problem=problem,
                            answer=str(answer), prompt_ids=tuple(trainer.renderer.ids(problem)))
-    # One step on this problem only: sample, score, reward and advantage as in training.
-    trainer.train_examples = [example]
-    trainer.data_iter = itertools.repeat(np.zeros(1, np.int64))
-    _, _, record = trainer.step(state)
+    # The collect half of a step on this problem only: sample, reward, score and advantage
+    # as in training (no update).
+    record = trainer.collect(state, examples=[example]).record()
     return sample_records(step, record, 1, tokenizer=trainer.tokenizer)[0]
   finally:
     trainer.close()

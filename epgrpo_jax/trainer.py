@@ -249,11 +249,17 @@ class Trainer:
   # -- one RL step ------------------------------------------------------------------------
 
   def step(self, state: RunState) -> tuple[RunState, dict[str, float], dict[str, Any]]:
-    """sample -> reward (host, overlapping the scoring pass) -> advantage -> update.
+    """One RL step: `collect` (sample -> reward -> score -> advantage), then `update`."""
+    return self.update(state, self.collect(state))
 
-    With dynamic sampling, rewards come first: `dynamic_round_batch` samples
-    further batches of prompts until P groups have a reward signal (or the
-    rounds run out), then the scoring pass runs on the P groups it keeps.
+  def collect(self, state: RunState, examples: list[data.Example] | None = None) -> Collected:
+    """Samples G completions of P prompts (the next batch of the data iterator, or `examples`),
+    rewards them on the host while the scoring pass runs, and computes the token-level
+    advantages: everything `update` trains on. Tools (the heat map) call this alone.
+
+    With dynamic sampling (and no `examples`), rewards come first: `dynamic_round_batch`
+    samples further batches of prompts until P groups have a reward signal (or the rounds
+    run out), then the scoring pass runs on the P groups it keeps.
     """
     cfg, t = self.cfg, self.cfg.train
     P, G = t.prompts_per_step, t.num_generations
@@ -262,13 +268,11 @@ class Trainer:
 
     # 1. Sample G completions per prompt with the current policy.
     rewards, dynamic_metrics, rounds = None, {}, 1
-    if cfg.dynamic_sampling.enabled:
-      batch_round, texts, rewards, dynamic_metrics = self.dynamic_round_batch(
-          state.trainable, sample_key)
+    if cfg.dynamic_sampling.enabled and examples is None:
+      host, texts, rewards, dynamic_metrics = self.dynamic_round_batch(state.trainable, sample_key)
       rounds = int(dynamic_metrics["dynamic/rounds"])
     else:
-      batch_round = self.sample_round(state.trainable, sample_key)
-    examples, host = batch_round.examples, batch_round
+      host = self.sample_round(state.trainable, sample_key, examples)
     completion_BxN = host.tokens.reshape(P * G, -1)
     completion_mask_BxN = host.mask.reshape(P * G, -1)
     # Score and train on the used part of the completion buffer only (bucketed, so that
@@ -299,7 +303,7 @@ class Trainer:
       logp_old, entropy, logp_ref = self.fns.score(state.trainable, self.policy.frozen,
                                                    self.policy.reference, rollout)
     if rewards is None:
-      texts, rewards = self.score_rewards(examples, completion_BxN, completion_mask_BxN)
+      texts, rewards = self.score_rewards(host.examples, completion_BxN, completion_mask_BxN)
     # Process 0's rewards feed the advantage (a check timing out on one host only cannot split).
     rewards_PxG = distributed.broadcast_from_main(np.asarray(rewards.reward, np.float32).reshape(P, G))
 
@@ -308,11 +312,22 @@ class Trainer:
     adv, comps, adv_metrics = self.advantage_fn(
         rewards_PxG, entropy.reshape(shape), logp_old.reshape(shape), logp_ref.reshape(shape),
         rollout.completion_mask.reshape(shape), cfg=cfg.advantage)
+    return Collected(key=key, start=start, sample_time=sample_time, host=host, texts=texts,
+                     rewards=rewards, rewards_PxG=np.asarray(rewards_PxG), rollout=rollout,
+                     completion_BxN=completion_BxN, completion_mask_BxN=completion_mask_BxN,
+                     loss_mask_BxN=loss_mask_BxN, truncated_B=truncated_B, logp_old=logp_old,
+                     logp_ref=logp_ref, entropy=entropy, advantage=adv, components=comps,
+                     adv_metrics=adv_metrics, rounds=rounds, dynamic_metrics=dynamic_metrics)
 
-    # 4. num_iterations x mini_batches clipped-surrogate updates.
+  def update(self, state: RunState, c: Collected
+             ) -> tuple[RunState, dict[str, float], dict[str, Any]]:
+    """num_iterations x mini_batches clipped-surrogate updates on `c`, then the step's
+    bookkeeping: (new state, metrics, record of the step for sample dumps)."""
+    cfg, t = self.cfg, self.cfg.train
+    P, G = t.prompts_per_step, t.num_generations
     update_start = time.perf_counter()
-    batch = UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
-                        advantage=adv.reshape(P * G, -1))
+    batch = UpdateBatch(rollout=c.rollout, logp_old=c.logp_old, logp_ref=c.logp_ref,
+                        advantage=c.advantage.reshape(P * G, -1))
     trainable, opt_state = state.trainable, state.opt_state
     update_metrics = []
     for _ in range(t.num_iterations):
@@ -323,52 +338,52 @@ class Trainer:
     update_metrics = distributed.to_host(update_metrics)
     update_time = time.perf_counter() - update_start
 
-    # 5. Bookkeeping and metrics.
+    # Bookkeeping and metrics.
     skipped = int(sum(m["skipped"] for m in update_metrics))
-    num_completion_tokens = int(completion_mask_BxN.sum())
-    num_prompt_tokens = int(host.prompt_mask.sum()) * G
+    num_completion_tokens = int(c.completion_mask_BxN.sum())
+    num_prompt_tokens = int(c.host.prompt_mask.sum()) * G
     new_state = RunState(
-        trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1,
+        trainable=trainable, opt_state=opt_state, key=c.key, step=state.step + 1,
         consecutive_skips=state.consecutive_skips + 1 if skipped else 0,
         skipped_updates=state.skipped_updates + skipped,
         num_tokens=state.num_tokens + num_completion_tokens + num_prompt_tokens,
-        num_samples=state.num_samples + rounds * P * G)
-    step_time = time.perf_counter() - start
+        num_samples=state.num_samples + c.rounds * P * G)
+    step_time = time.perf_counter() - c.start
     metrics = step_metrics(
-        rewards=rewards, rewards_PxG=np.asarray(rewards_PxG), mask_BxN=completion_mask_BxN,
-        entropy=distributed.to_host(entropy), update_metrics=update_metrics,
-        adv_metrics=distributed.to_host(adv_metrics), eos_ids=self.eos_ids,
-        completion_BxN=completion_BxN, entropy_mask_BxN=loss_mask_BxN)
-    metrics.update(dynamic_metrics)
+        rewards=c.rewards, rewards_PxG=c.rewards_PxG, mask_BxN=c.completion_mask_BxN,
+        entropy=distributed.to_host(c.entropy), update_metrics=update_metrics,
+        adv_metrics=distributed.to_host(c.adv_metrics), eos_ids=self.eos_ids,
+        completion_BxN=c.completion_BxN, entropy_mask_BxN=c.loss_mask_BxN)
+    metrics.update(c.dynamic_metrics)
     if cfg.loss.mask_truncated_completions:
-      metrics["overlong/masked_frac"] = float(truncated_B.mean())
+      metrics["overlong/masked_frac"] = float(c.truncated_B.mean())
     if cfg.reward.overlong_buffer:
-      metrics["overlong/penalty_mean"] = float(rewards.overlong_penalty.mean())
+      metrics["overlong/penalty_mean"] = float(c.rewards.overlong_penalty.mean())
     optimizer_updates = new_state.step * t.num_iterations * t.mini_batches
     metrics.update({
         "learning_rate": float(self.schedule(max(optimizer_updates - 1, 0))),
         "step_time": step_time,
-        "sample_time": sample_time,
+        "sample_time": c.sample_time,
         "update_time": update_time,
         "num_tokens": new_state.num_tokens,
         "tokens_per_second": num_completion_tokens / step_time,
-        "sampling/tokens_per_second": num_completion_tokens / max(sample_time, 1e-9),
+        "sampling/tokens_per_second": num_completion_tokens / max(c.sample_time, 1e-9),
         "train/tokens_per_second": (t.num_iterations * (num_completion_tokens + num_prompt_tokens)
                                     / max(update_time, 1e-9)),
         "skipped_updates": new_state.skipped_updates,
         "num_samples": new_state.num_samples,
-        "reward_timeouts": float(rewards.timeouts),
-        "reward_errors": float(rewards.errors),
+        "reward_timeouts": float(c.rewards.timeouts),
+        "reward_errors": float(c.rewards.errors),
     })
-    record = {"examples": examples, "texts": texts, "rewards": rewards, "rollout": rollout,
-              "advantage": adv, "components": comps, "entropy": entropy}
-    return new_state, metrics, record
+    return new_state, metrics, c.record()
 
-  def sample_round(self, trainable: nnx.State, key: jax.Array) -> SampledRound:
-    """The next batch of P prompts from the data iterator, and G completions of each."""
+  def sample_round(self, trainable: nnx.State, key: jax.Array,
+                   examples: list[data.Example] | None = None) -> SampledRound:
+    """G completions of each of P prompts: `examples`, else the data iterator's next batch."""
     G = self.cfg.train.num_generations
-    # Each process reads its slice of the global batch; all processes see the whole batch.
-    examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
+    if examples is None:
+      # Each process reads its slice of the global batch; all processes see the whole batch.
+      examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
     out = self.sampler.sample(self.params(trainable), [e.prompt_ids for e in examples],
                               num_samples=G, key=key)
     host = distributed.to_host(out)  # every row on every process
@@ -597,6 +612,42 @@ class SampledRound:
   mask: np.ndarray  # [P, G, N]
   logp: np.ndarray  # [P, G, N]
   entropy: np.ndarray  # [P, G, N]
+
+
+@dataclasses.dataclass
+class Collected:
+  """One step's rollout, rewards and token-level advantages (`Trainer.collect`)."""
+
+  key: jax.Array  # the run's PRNG key after this step
+  start: float  # perf_counter at the start of the step
+  sample_time: float
+  host: SampledRound
+  texts: list[str]  # [B] decoded completions
+  rewards: Any  # rewards.RewardResult
+  rewards_PxG: np.ndarray
+  rollout: Rollout
+  completion_BxN: np.ndarray
+  completion_mask_BxN: np.ndarray
+  loss_mask_BxN: np.ndarray  # without truncated completions when they are masked
+  truncated_B: np.ndarray
+  logp_old: jax.Array
+  logp_ref: jax.Array
+  entropy: jax.Array
+  advantage: jax.Array  # [P, G, N]
+  components: Any  # advantages.Components
+  adv_metrics: dict[str, Any]
+  rounds: int  # sampling rounds (dynamic sampling)
+  dynamic_metrics: dict[str, float]
+
+  @property
+  def examples(self) -> list[data.Example]:
+    return self.host.examples
+
+  def record(self) -> dict[str, Any]:
+    """What `sample_records` and the heat map read."""
+    return {"examples": self.examples, "texts": self.texts, "rewards": self.rewards,
+            "rollout": self.rollout, "advantage": self.advantage, "components": self.components,
+            "entropy": self.entropy}
 
 
 def truncated_rows(completion_BxN: np.ndarray, mask_BxN: np.ndarray, eos_ids) -> np.ndarray:
