@@ -8,6 +8,7 @@ killed run) are skipped, counted by reason and logged with their line number.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import gzip
 import json
@@ -19,7 +20,6 @@ from typing import Any, Mapping, Sequence
 from epgrpo_jax.errors import MissingFileError, UserError
 
 log = logging.getLogger("epgrpo_jax.rows")
-UTF8_BOM = b"\xef\xbb\xbf"  # some editors start UTF-8 files with it; it is not part of the data
 
 _DECOMPRESS = {".gz": gzip.decompress, ".xz": lzma.decompress}
 
@@ -39,7 +39,8 @@ def jsonl_rows(path: str | Path, raw: bytes | None = None,
                skipped: collections.Counter | None = None) -> list[Any]:
   """The records of a JSON Lines file (`raw`: its bytes, when already read); skipped lines
   are counted in `skipped` as "not_utf8" or "bad_json"."""
-  raw = (Path(path).read_bytes() if raw is None else raw).removeprefix(UTF8_BOM)
+  # Some editors start UTF-8 files with a byte-order mark; it is not part of the data.
+  raw = (Path(path).read_bytes() if raw is None else raw).removeprefix(codecs.BOM_UTF8)
   skipped = collections.Counter() if skipped is None else skipped
   rows = []
   for lineno, line in enumerate(raw.split(b"\n"), 1):
@@ -59,7 +60,7 @@ def jsonl_rows(path: str | Path, raw: bytes | None = None,
 def json_array_rows(path: str | Path, raw: bytes) -> list:
   """The rows of a JSON file: a top-level array, or the one list of a {"data": [...]} object."""
   try:
-    data = json.loads(raw.removeprefix(UTF8_BOM).decode("utf-8"))
+    data = json.loads(raw.decode("utf-8"))
   except UnicodeDecodeError:
     raise UserError(f"{path}: not UTF-8") from None
   except json.JSONDecodeError as e:
@@ -125,7 +126,8 @@ def read_rows(path: str | Path, skipped: collections.Counter | None = None,
       raw = decompress(raw)
     except (OSError, EOFError, lzma.LZMAError) as e:
       raise UserError(f"{path}: unreadable {path.suffix} file ({e})") from None
-  if Path(data_name(path)).suffix.lower() == ".json" or raw.removeprefix(UTF8_BOM).lstrip().startswith(b"["):
+  raw = raw.removeprefix(codecs.BOM_UTF8)
+  if Path(data_name(path)).suffix.lower() == ".json" or raw.lstrip().startswith(b"["):
     return json_array_rows(path, raw)
   return jsonl_rows(path, raw, skipped)
 

@@ -325,14 +325,10 @@ class Assets:
     return self.model_dir
 
   def train_rows(self) -> list[dict[str, Any]]:
-    return read_jsonl(self.train_file)
+    return read_rows(self.train_file)
 
   def heldout_rows(self) -> list[dict[str, Any]]:
-    return read_jsonl(self.heldout_file)
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-  return read_rows(path)
+    return read_rows(self.heldout_file)
 
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
