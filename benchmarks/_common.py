@@ -259,8 +259,8 @@ def trainer_overrides(model_dir: Path, train_file: Path, out_dir: Path, shape: S
 
 
 def make_trainer(model_dir: Path, train_file: Path, out_dir: Path, shape: Shape, *extra: str):
-  from epgrpo_jax.config import TrainConfig
-  from epgrpo_jax.trainer import Trainer
+  from epgrpo_jax.training.config import TrainConfig
+  from epgrpo_jax.training.trainer import Trainer
 
   cfg = TrainConfig().override(*trainer_overrides(model_dir, train_file, out_dir, shape, *extra))
   return Trainer(cfg)
@@ -351,10 +351,10 @@ class PhasedStep:
     import jax.numpy as jnp
     import numpy as np
 
-    from epgrpo_jax import distributed
-    from epgrpo_jax.sampling import bucket
-    from epgrpo_jax.steps import Rollout, UpdateBatch
-    from epgrpo_jax.trainer import RunState
+    from epgrpo_jax.parallel import distributed
+    from epgrpo_jax.rollout.sampling import bucket
+    from epgrpo_jax.training.programs import Rollout, UpdateBatch
+    from epgrpo_jax.training.trainer import RunState
 
     tr = self.trainer
     cfg, t = tr.cfg, tr.cfg.train

@@ -4,7 +4,7 @@ The shape of the sampler benchmark's decode steps (bench-tiny: 64 rows, 2 KV
 heads x 2 query heads each, head dim 64, a 160-slot cache): scores
 `[2, 64] x [64, 160]` per row and KV head, softmax, then `[2, 160] x [160, 64]`.
 Ours twice: the model's XLA attention (`models.attend`) and the sampler's C++
-decode kernel (`models._cpu_kernels`), on the cache layouts the model keeps
+decode kernel (`kernels.cpu`), on the cache layouts the model keeps
 (keys [B, K, Hd, S], values [B, K, S, Hd]), each timed inside a `fori_loop` of
 100 iterations so that dispatch does not count; torch runs `bmm`, softmax,
 `bmm` with 2 threads. The three alternate; prints the median milliseconds per
@@ -42,7 +42,9 @@ def main():
   values = rng.standard_normal((b, k, s, hd), np.float32)
   allowed = np.ones((b, 1, s), bool)
 
-  from epgrpo_jax.models import _cpu_kernels, attend
+  from epgrpo_jax.kernels import cpu as cpu_kernels
+
+  from epgrpo_jax.models import attend
 
   import _common as C
 
@@ -50,7 +52,7 @@ def main():
     return attend(q, keys, values, allowed)
 
   def kernel(q, keys, values):  # the sampler's decode attention on one CPU device
-    return _cpu_kernels.decode_attention(q[:, :, :, 0], keys, values, allowed[:, 0], s)[:, :, :, None]
+    return cpu_kernels.decode_attention(q[:, :, :, 0], keys, values, allowed[:, 0], s)[:, :, :, None]
 
   iters = 100
 
@@ -71,7 +73,7 @@ def main():
     return out
 
   ref = theirs().numpy().reshape(b, k, g, 1, hd)
-  assert _cpu_kernels.available(), "the C++ kernel could not be built (see the warning)"
+  assert cpu_kernels.available(), "the C++ kernel could not be built (see the warning)"
   for fn in (xla, kernel):
     assert np.allclose(np.asarray(jax.jit(fn)(qj, kj, vj)), ref, atol=1e-4), "formulations disagree"
 

@@ -51,7 +51,7 @@ VARIANTS = ("full", "xla attention", "xla threshold", "no C++", "rope per step",
 
 
 def attention_stand_in(q_BxKxGxHd, *args, **kwargs):
-  """In place of `_cpu_kernels.decode_attention`: same shape, reads only the queries."""
+  """In place of `cpu_kernels.decode_attention`: same shape, reads only the queries."""
   import jax.numpy as jnp
   return jnp.broadcast_to(jnp.sum(q_BxKxGxHd, -1, keepdims=True), q_BxKxGxHd.shape)
 
@@ -88,8 +88,10 @@ def parts_only(args) -> None:
   import jax
   import jax.numpy as jnp
 
-  from epgrpo_jax.models import _cpu_kernels, load_config
-  from epgrpo_jax.sampling import SamplingConfig, largest_threshold, sample_step
+  from epgrpo_jax.kernels import cpu as cpu_kernels
+
+  from epgrpo_jax.models import load_config
+  from epgrpo_jax.rollout.sampling import SamplingConfig, largest_threshold, sample_step
 
   import _common as C
 
@@ -100,8 +102,8 @@ def parts_only(args) -> None:
   head_DxV = (0.02 * jax.random.normal(key, (d, v))).astype(dtype)
   hidden_BxD = jax.random.normal(jax.random.fold_in(key, 1), (rows, d)).astype(dtype)
   logits_BxV = jnp.dot(hidden_BxD, head_DxV, preferred_element_type=jnp.float32) * 10
-  kernels = _cpu_kernels.available() and jax.default_backend() == "cpu"
-  threshold = _cpu_kernels.largest_threshold if kernels else largest_threshold
+  kernels = cpu_kernels.available() and jax.default_backend() == "cpu"
+  threshold = cpu_kernels.largest_threshold if kernels else largest_threshold
   top_p = SamplingConfig(temperature=1.0, top_p=0.95)
   head = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
   choose = jax.jit(lambda k, x: sample_step(k, x, top_p, threshold))
@@ -149,9 +151,10 @@ def main():
   from flax import nnx
   from transformers import Qwen2ForCausalLM
 
-  from epgrpo_jax import sampling as sampling_module
-  from epgrpo_jax.models import _cpu_kernels, decode_kernel, from_pretrained, load_config
-  from epgrpo_jax.sampling import Sampler, SamplingConfig
+  from epgrpo_jax.rollout import sampling as sampling_module
+  from epgrpo_jax.kernels import cpu as cpu_kernels
+  from epgrpo_jax.models import decode_kernel, from_pretrained, load_config
+  from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
   import _common as C
 
@@ -185,12 +188,12 @@ def main():
       "full": lambda: variant(base),
       "xla attention": lambda: variant(base, mock.patch.object(sampling_module, "decode_kernel",
                                                        lambda fn: decode_kernel(None))),
-      "xla threshold": lambda: variant(base, mock.patch.object(_cpu_kernels, "largest_threshold",
+      "xla threshold": lambda: variant(base, mock.patch.object(cpu_kernels, "largest_threshold",
                                                        sampling_module.largest_threshold)),
       "no C++": lambda: variant(base.replace(cpu_kernels=False)),
       "rope per step": lambda: variant(base, mock.patch.object(sampling_module, "rope_table",
                                                        lambda cfg, length: None)),
-      "no attention": lambda: variant(base, mock.patch.object(_cpu_kernels, "decode_attention",
+      "no attention": lambda: variant(base, mock.patch.object(cpu_kernels, "decode_attention",
                                                       attention_stand_in)),
       "greedy": lambda: variant(base.replace(greedy=True)),
   }

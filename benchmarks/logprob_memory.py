@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from epgrpo_jax import losses
+from epgrpo_jax.core import losses
 
 GIB = 2 ** 30
 

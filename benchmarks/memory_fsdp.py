@@ -2,8 +2,8 @@
 
 Builds the Qwen2.5 presets abstractly (`nnx.eval_shape`: no weights, nothing
 allocated), lays them out with the project's partition rules
-(`epgrpo_jax.sharding`) on a mesh, compiles (never runs) the jitted update
-program of `epgrpo_jax.steps.StepFunctions` -- the forward and backward pass
+(`epgrpo_jax.parallel.sharding`) on a mesh, compiles (never runs) the jitted update
+program of `epgrpo_jax.training.programs.StepFunctions` -- the forward and backward pass
 of the clipped-surrogate loss plus the AdamW update, the peak of a step -- and
 prints XLA's `memory_analysis()` of one device's program as a table (with
 remat, the larger of the update's two programs).
@@ -38,7 +38,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from epgrpo_jax import losses, sharding, steps  # noqa: E402
+from epgrpo_jax.core import losses
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.training import programs as steps  # noqa: E402
 from epgrpo_jax.models import LoraConfig, Qwen2, preset  # noqa: E402
 
 import _common as C  # noqa: E402

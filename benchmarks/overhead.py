@@ -46,7 +46,7 @@ def parse_args(argv=None):
 
 
 def variant_overrides(name: str, dtype: str) -> list[str]:
-  from epgrpo_jax.advantages import VARIANTS
+  from epgrpo_jax.core.advantages import VARIANTS
   return ([f"advantage.{k}={str(v).lower()}" for k, v in VARIANTS[name].items()]
           + [f"model.dtype={dtype}", f"model.param_dtype={dtype}"])
 
@@ -76,8 +76,8 @@ def main(argv=None):
   args = parse_args(argv)
   import jax
 
-  from epgrpo_jax import cli
-  cli.enable_compilation_cache()  # as `epgrpo-train`: warm-up compiles once per machine
+  from epgrpo_jax.io import commandline
+  commandline.enable_compilation_cache()  # as `epgrpo-train`: warm-up compiles once per machine
 
   shape = C.Shape(prompts=args.prompts, samples=args.samples, prompt_len=args.prompt_len,
                   new_tokens=args.new_tokens)

@@ -12,7 +12,7 @@ identical (goal: >= 90%).
       [--max-new-tokens 512] [--batch 16] [--out DIR]
 
 `--model` defaults to $EPGRPO_REAL_MODEL; `--data-dir` to $EPGRPO_DATA_DIR (a
-directory with math500.jsonl and amc23.jsonl, see epgrpo_jax.benchmarks).
+directory with math500.jsonl and amc23.jsonl, see epgrpo_jax.data.evalsets).
 Writes OUT/ours/ (the evaluation command's output) and OUT/parity.json.
 """
 
@@ -64,7 +64,7 @@ def transformers_completions(args, examples, tokenizer, eos_ids, pad_id) -> list
   import torch
   from transformers import AutoModelForCausalLM
 
-  from epgrpo_jax.sampling import left_pad
+  from epgrpo_jax.rollout.sampling import left_pad
 
   torch.set_num_threads(args.torch_threads)
   model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -89,7 +89,9 @@ def transformers_completions(args, examples, tokenizer, eos_ids, pad_id) -> list
 
 def main():
   args = parse_args()
-  from epgrpo_jax import benchmarks, data, evaluate
+  from epgrpo_jax import evaluate
+  from epgrpo_jax.data import evalsets
+  from epgrpo_jax.data import pipeline
   from epgrpo_jax.models import load_config, load_tokenizer, stop_token_ids
   from epgrpo_jax.rewards import RewardConfig, RewardScorer
 
@@ -103,7 +105,7 @@ def main():
   # The same prompts, rendered and skipped exactly as the evaluation command did.
   tokenizer = load_tokenizer(args.model)
   cfg = load_config(args.model)
-  renderer = data.PromptRenderer(tokenizer, data.DataConfig(prompt_template=evaluate.EVAL_TEMPLATE))
+  renderer = pipeline.PromptRenderer(tokenizer, pipeline.DataConfig(prompt_template=evaluate.EVAL_TEMPLATE))
   eos_ids = stop_token_ids(tokenizer, cfg, model_dir=args.model)
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
   report = {"model": args.model, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
@@ -111,7 +113,7 @@ def main():
   start = time.perf_counter()
   with RewardScorer(RewardConfig(timeout_s=5.0)) as scorer:
     for name in BENCHMARKS:
-      problems = benchmarks.load_benchmark(name, data_dir=args.data_dir, limit=args.limit)
+      problems = evalsets.load_benchmark(name, data_dir=args.data_dir, limit=args.limit)
       examples, _ = evaluate.render_examples(problems, renderer, max_new_tokens=args.max_new_tokens,
                                              context_tokens=cfg.max_position_embeddings)
       theirs = transformers_completions(args, examples, tokenizer, eos_ids, pad_id)

@@ -62,8 +62,8 @@ def main():
   import jax
   import numpy as np
 
-  from epgrpo_jax.config import load_config
-  from epgrpo_jax.trainer import Trainer
+  from epgrpo_jax.training.config import load_config
+  from epgrpo_jax.training.trainer import Trainer
 
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import _common as C
@@ -120,8 +120,8 @@ def update_program_check(trainer):
   import jax
   import jax.numpy as jnp
 
-  from epgrpo_jax.sampling import bucket
-  from epgrpo_jax.steps import Rollout, UpdateBatch
+  from epgrpo_jax.rollout.sampling import bucket
+  from epgrpo_jax.training.programs import Rollout, UpdateBatch
 
   cfg, fns = trainer.cfg, trainer.fns
   b = cfg.train.prompts_per_step * cfg.train.num_generations
@@ -165,7 +165,7 @@ def export_parity(policy: Path, trainer) -> float:
   from transformers import AutoModelForCausalLM
 
   from epgrpo_jax.models import from_pretrained
-  from epgrpo_jax.sampling import left_pad
+  from epgrpo_jax.rollout.sampling import left_pad
 
   prompts = [list(e.prompt_ids) for e in trainer.train_examples[:2]]
   ids, mask = left_pad(prompts, max(map(len, prompts)), trainer.pad_id)

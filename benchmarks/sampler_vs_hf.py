@@ -129,7 +129,7 @@ def main():
   import torch
   from flax import nnx
 
-  from epgrpo_jax.sampling import Sampler, SamplingConfig
+  from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
   import _common as C
 

@@ -70,8 +70,8 @@ def main(argv=None):
   args = parse_args(argv)
   import jax
 
-  from epgrpo_jax import cli
-  cli.enable_compilation_cache()  # as `epgrpo-train`: warm-up compiles once per machine
+  from epgrpo_jax.io import commandline
+  commandline.enable_compilation_cache()  # as `epgrpo-train`: warm-up compiles once per machine
 
   p0, g0, n0 = (int(v) for v in args.base.split(","))
   tmp = Path(tempfile.mkdtemp(prefix="scaling-"))

@@ -69,8 +69,8 @@ def parse_args(argv=None):
 
 
 def advantage_overrides(name: str) -> list[str]:
-  """The `advantage.*` switches of a variant (epgrpo_jax.advantages.VARIANTS)."""
-  from epgrpo_jax.advantages import VARIANTS
+  """The `advantage.*` switches of a variant (epgrpo_jax.core.advantages.VARIANTS)."""
+  from epgrpo_jax.core.advantages import VARIANTS
   return [f"advantage.{k}={str(v).lower()}" for k, v in VARIANTS[name].items()]
 
 

@@ -2,23 +2,23 @@
 
 The public names below (the advantage pipeline, the loss, the configuration,
 sampler and rewards) load on first use. The training loop is
-`epgrpo_jax.trainer.train`.
+`epgrpo_jax.training.trainer.train`.
 """
 
 # Everything loads on first use, so that importing one module (`epgrpo_jax.rewards` in a reward
-# worker, `epgrpo_jax.errors`) does not pull in JAX through this file.
+# worker, `epgrpo_jax.io.errors`) does not pull in JAX through this file.
 _LAZY = {
-    "VARIANTS": "epgrpo_jax.advantages",
-    "AdvantageConfig": "epgrpo_jax.advantages",
-    "Components": "epgrpo_jax.advantages",
-    "compute_advantages": "epgrpo_jax.advantages",
-    "LossConfig": "epgrpo_jax.losses",
-    "policy_loss": "epgrpo_jax.losses",
-    "token_logprob_entropy": "epgrpo_jax.losses",
-    "TrainConfig": "epgrpo_jax.config",
-    "load_config": "epgrpo_jax.config",
-    "Sampler": "epgrpo_jax.sampling",
-    "SamplingConfig": "epgrpo_jax.sampling",
+    "VARIANTS": "epgrpo_jax.core.advantages",
+    "AdvantageConfig": "epgrpo_jax.core.advantages",
+    "Components": "epgrpo_jax.core.advantages",
+    "compute_advantages": "epgrpo_jax.core.advantages",
+    "LossConfig": "epgrpo_jax.core.losses",
+    "policy_loss": "epgrpo_jax.core.losses",
+    "token_logprob_entropy": "epgrpo_jax.core.losses",
+    "TrainConfig": "epgrpo_jax.training.config",
+    "load_config": "epgrpo_jax.training.config",
+    "Sampler": "epgrpo_jax.rollout.sampling",
+    "SamplingConfig": "epgrpo_jax.rollout.sampling",
     "RewardConfig": "epgrpo_jax.rewards",
     "RewardScorer": "epgrpo_jax.rewards",
 }

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from epgrpo_jax import cli
-from epgrpo_jax.atomic import write_text_atomic
-from epgrpo_jax.distributed import to_host
-from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.io import commandline
+from epgrpo_jax.io.atomic import write_text_atomic
+from epgrpo_jax.parallel.distributed import to_host
+from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.rewards import RewardResult, RewardScorer, pass_at_k
 
 if TYPE_CHECKING:
-  from epgrpo_jax.data import Example
+  from epgrpo_jax.data.pipeline import Example
 
 log = logging.getLogger("epgrpo_jax.evaluate")
 
@@ -46,7 +46,7 @@ PASS_KS = (1, 4, 8, 16)
 TABLE_KS = (4, 8, 16)  # the pass@k columns of the paper's tables
 DEFAULT_BENCHMARKS = ("math500", "amc23", "minerva", "aime24", "aime25")
 SKIP_REASONS = ("exceeds_context", "prompt_too_long")
-# The paper's math prompt (user message). `data.MATH_TEMPLATE` is the same text written for
+# The paper's math prompt (user message). `pipeline.MATH_TEMPLATE` is the same text written for
 # str.format, but `PromptRenderer` substitutes with str.replace, so its `{{}}` would stay doubled.
 EVAL_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -141,7 +141,7 @@ def score_completions(examples: Sequence[Any], completions: Sequence[Sequence[st
                       scorer: RewardScorer, golds: Sequence[Any] | None = None) -> EvalResult:
   """An `EvalResult` from given completions ([problem][sample] texts), no sampling.
 
-  `examples` need `.id` and `.answer` (an `Example` or a `benchmarks.Problem`).
+  `examples` need `.id` and `.answer` (an `Example` or a `evalsets.Problem`).
   """
   if len(completions) != len(examples):
     raise ValueError(f"{len(completions)} completion lists for {len(examples)} examples")
@@ -240,10 +240,10 @@ def table_ks(num_samples: int) -> tuple[int, ...]:
 def render_examples(problems: Sequence[Any], renderer, *, max_new_tokens: int,
                     context_tokens: int, max_prompt_tokens: int = 0
                     ) -> tuple[list[Example], collections.Counter]:
-  """`Example`s of `problems` (`benchmarks.Problem`), skipping and counting prompts that
+  """`Example`s of `problems` (`evalsets.Problem`), skipping and counting prompts that
   do not fit: longer than `max_prompt_tokens` (0: no limit) -> "prompt_too_long", or
   prompt + `max_new_tokens` beyond the model's `context_tokens` -> "exceeds_context"."""
-  from epgrpo_jax.data import Example
+  from epgrpo_jax.data.pipeline import Example
   examples, skipped = [], collections.Counter()
   for p in problems:
     ids = renderer.ids(p.problem)
@@ -297,7 +297,7 @@ def _step_dirs(root: Path) -> dict[int, Path]:
 
 def resolve_checkpoint(path: str | Path) -> CheckpointRef:
   """`RUN_DIR`, `RUN_DIR/checkpoints` (latest step) or `RUN_DIR/checkpoints/<step>`."""
-  from epgrpo_jax.checkpointing import saved_trainable_shapes
+  from epgrpo_jax.io.checkpointing import saved_trainable_shapes
   p = Path(path).expanduser()
   flag = f"--checkpoint {path}"
   if not p.exists():
@@ -337,7 +337,7 @@ def resolve_checkpoint(path: str | Path) -> CheckpointRef:
     shapes = saved_trainable_shapes(step_dir)
   except Exception as e:  # Orbax raises several types on a damaged checkpoint
     raise UserError(f"{flag}: cannot read {step_dir / 'state'} "
-                     f"({type(e).__name__}: {cli.one_line(e)})") from None
+                     f"({type(e).__name__}: {commandline.one_line(e)})") from None
   if not shapes:
     raise UserError(f"{flag}: {step_dir / 'state'} holds no 'trainable' parameters")
   return CheckpointRef(step_dir, int(step_dir.name), run_dir, run_config, shapes)
@@ -382,7 +382,7 @@ def load_policy(model_dir: str | Path, *, dtype: str = "float32",
   (LoRA adapters folded into the kernels). Returns the NNX model."""
   from flax import nnx
 
-  from epgrpo_jax.checkpointing import restore_trainable
+  from epgrpo_jax.io.checkpointing import restore_trainable
   from epgrpo_jax.models import from_pretrained, merge_lora
   model = from_pretrained(model_dir, dtype=dtype, param_dtype=dtype, lora=lora, seed=seed)
   if checkpoint is None:
@@ -400,7 +400,7 @@ def load_policy(model_dir: str | Path, *, dtype: str = "float32",
     restored = restore_trainable(checkpoint.step_dir.parent, checkpoint.step, trainable)
   except Exception as e:  # Orbax raises several types
     raise UserError(f"--checkpoint {checkpoint.step_dir}: cannot restore "
-                     f"({type(e).__name__}: {cli.one_line(e)})") from None
+                     f"({type(e).__name__}: {commandline.one_line(e)})") from None
   model = nnx.merge(graphdef, restored, rest)
   if lora is not None:
     merge_lora(model)
@@ -445,7 +445,7 @@ def _float_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[str], fl
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = cli.ArgumentParser(
+  p = commandline.ArgumentParser(
       prog="python -m epgrpo_jax.evaluate",
       description="Acc, Fmt and pass@k of a model (or a training checkpoint) on math benchmarks.")
   p.add_argument("--model", help="HF model directory (the base model of --checkpoint); default: "
@@ -489,10 +489,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
   args = p.parse_args(argv)
-  from epgrpo_jax import benchmarks
+  from epgrpo_jax.data import evalsets
   try:
     args.benchmark_names = _benchmark_names(args.benchmarks)
-    args.benchmark_files = benchmarks.parse_benchmark_files(args.benchmark_file)
+    args.benchmark_files = evalsets.parse_benchmark_files(args.benchmark_file)
   except (KeyError, ValueError) as e:
     p.error(str(e.args[0]) if isinstance(e, KeyError) else str(e))
   unused = [n for n in args.benchmark_files if n not in args.benchmark_names]
@@ -507,13 +507,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _benchmark_names(text: str) -> list[str]:
-  from epgrpo_jax import benchmarks
+  from epgrpo_jax.data import evalsets
   names = [n.strip() for n in text.split(",") if n.strip()]
   if not names:
     raise UserError("--benchmarks: empty list")
   out = []
   for n in names:
-    name = benchmarks.get_spec(n).name
+    name = evalsets.get_spec(n).name
     if name in out:
       raise UserError(f"--benchmarks: {name} listed twice")
     out.append(name)
@@ -527,11 +527,12 @@ def _bench_key(key: jax.Array, name: str) -> jax.Array:
 
 def run(args: argparse.Namespace) -> int:
   """The evaluation command; returns the exit code."""
-  from epgrpo_jax import benchmarks, data
-  from epgrpo_jax.metrics import Progress
+  from epgrpo_jax.data import evalsets
+  from epgrpo_jax.data import pipeline
+  from epgrpo_jax.io.metrics import Progress
   from epgrpo_jax.models import check_vocab, load_config, load_tokenizer, stop_token_ids
   from epgrpo_jax.rewards import RewardConfig
-  from epgrpo_jax.sampling import Sampler, SamplingConfig
+  from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
   start = time.perf_counter()
   ref = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
@@ -555,21 +556,21 @@ def run(args: argparse.Namespace) -> int:
   # Problems first: a missing benchmark file fails before the model is loaded.
   loaded, load_skips, sources = {}, {}, {}
   for name in args.benchmark_names:
-    problems, stats = benchmarks.load_benchmark_with_stats(
+    problems, stats = evalsets.load_benchmark_with_stats(
         name, args.benchmark_files.get(name), args.data_dir, args.limit)
     loaded[name], sources[name] = problems, stats.source
     load_skips[name] = {k: int(v) for k, v in stats.skipped.items() if v}
 
   tokenizer = load_tokenizer(model_dir)
   check_vocab(tokenizer, load_config(model_dir), model_dir)
-  data_cfg = data.DataConfig(
+  data_cfg = pipeline.DataConfig(
       prompt_template=(args.prompt_template if args.prompt_template is not None
                        else run_data.get("prompt_template") or EVAL_TEMPLATE),
       use_chat_template=(args.chat_template if args.chat_template is not None
                          else bool(run_data.get("use_chat_template", True))),
       system_prompt=(args.system_prompt if args.system_prompt is not None
                      else run_data.get("system_prompt") or ""))
-  renderer = data.PromptRenderer(tokenizer, data_cfg)
+  renderer = pipeline.PromptRenderer(tokenizer, data_cfg)
   examples, prompt_skips = {}, {}
   for name, problems in loaded.items():
     examples[name], prompt_skips[name] = render_examples(
@@ -671,8 +672,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  cli.setup_logging(args.debug)
-  return cli.run_main(lambda: run(args), debug=args.debug)
+  commandline.setup_logging(args.debug)
+  return commandline.run_main(lambda: run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

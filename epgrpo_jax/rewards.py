@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
 log = logging.getLogger("epgrpo_jax.rewards")
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from epgrpo_jax import cli
+from epgrpo_jax.io import commandline
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-  p = cli.ArgumentParser(prog="python -m epgrpo_jax.train", description=__doc__.splitlines()[0])
+  p = commandline.ArgumentParser(prog="python -m epgrpo_jax.train", description=__doc__.splitlines()[0])
   p.add_argument("--config", help="YAML config (may name a `base:` file); default configs/default.yaml")
   p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
   p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -24,13 +24,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
   args = parse_args(argv)
-  cli.setup_logging(args.debug)
-  cli.enable_compilation_cache()
+  commandline.setup_logging(args.debug)
+  commandline.enable_compilation_cache()
 
   def run() -> int:
-    from epgrpo_jax import configlib
-    from epgrpo_jax.config import load_config
-    from epgrpo_jax.trainer import train
+    from epgrpo_jax.io import configlib
+    from epgrpo_jax.training.config import load_config
+    from epgrpo_jax.training.trainer import train
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
       import yaml
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run directory: {summary['output_dir']}")
     return 0
 
-  return cli.run_main(run, debug=args.debug)
+  return commandline.run_main(run, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def arithmetic_task(directory: str | Path):
 def rl_step_config(task, out_dir: str | Path, *overrides: str):
   """A TrainConfig of 4 prompts x 4 completions of up to 16 tokens on `arithmetic_task`,
   LoRA rank 4, no progress bar, TensorBoard or sample dumps; then `overrides`."""
-  from epgrpo_jax.config import TrainConfig
+  from epgrpo_jax.training.config import TrainConfig
   return TrainConfig().override(
       f"model.path={task.model_dir}", f"data.train_files=[{task.train_file}]",
       "data.prompt_template='{problem}'", "train.prompts_per_step=4",

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from epgrpo_jax.advantages import (VARIANTS, AdvantageConfig, compute_advantages,
+from epgrpo_jax.core.advantages import (VARIANTS, AdvantageConfig, compute_advantages,
                                    compute_advantages_jit)
 
 P, G, T = 3, 4, 7

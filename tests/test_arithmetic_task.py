@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from epgrpo_jax import catalog
+from epgrpo_jax.io import catalog
 from epgrpo_jax.tasks import arithmetic as A
 
 SMALL = dict(train_per_level=40, heldout_per_level=8)

@@ -172,8 +172,8 @@ def test_blockwise_backward_temporaries_shrink():
 
 
 def test_training_config_reaches_the_model():
-  from epgrpo_jax.config import ModelSection
-  from epgrpo_jax.trainer import _with_runtime_options
+  from epgrpo_jax.training.config import ModelSection
+  from epgrpo_jax.training.trainer import _with_runtime_options
   model = random_model(tiny_config())
   section = ModelSection(remat=True, attention="blockwise", attention_block=64)
   cfg = _with_runtime_options(model, section).cfg

@@ -30,8 +30,8 @@ import shutil
 import numpy as np
 import pytest
 
-from epgrpo_jax import benchmarks as B
-from epgrpo_jax import catalog
+from epgrpo_jax.data import evalsets as B
+from epgrpo_jax.io import catalog
 from epgrpo_jax import rewards as R
 
 BENCH_DIR = catalog.DATA_DIR / "benchmarks"

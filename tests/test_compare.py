@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from epgrpo_jax.advantages import VARIANTS as ADVANTAGE_VARIANTS
-from epgrpo_jax import configlib
-from epgrpo_jax.configlib import ConfigError
+from epgrpo_jax.core.advantages import VARIANTS as ADVANTAGE_VARIANTS
+from epgrpo_jax.io import configlib
+from epgrpo_jax.io.configlib import ConfigError
 from epgrpo_jax.experiments import compare
 
 

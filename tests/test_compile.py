@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import pytest
 
-from epgrpo_jax.trainer import Trainer
+from epgrpo_jax.training.trainer import Trainer
 
 from helpers import Events, arithmetic_task, rl_step_config
 

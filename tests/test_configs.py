@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from epgrpo_jax import catalog, configlib, data
-from epgrpo_jax.config import CONFIG_DIR, TrainConfig, load_config
+from epgrpo_jax.io import catalog
+from epgrpo_jax.io import configlib
+from epgrpo_jax.data import pipeline as data
+from epgrpo_jax.training.config import CONFIG_DIR, TrainConfig, load_config
 
 from helpers import tiny_hf_dir
 

@@ -9,9 +9,11 @@ import lzma
 
 import pytest
 
-from epgrpo_jax import benchmarks, catalog, data
-from epgrpo_jax.config import load_config
-from epgrpo_jax.rows import data_stem, read_rows
+from epgrpo_jax.data import evalsets as benchmarks
+from epgrpo_jax.io import catalog
+from epgrpo_jax.data import pipeline as data
+from epgrpo_jax.training.config import load_config
+from epgrpo_jax.io.records import data_stem, read_rows
 from helpers import WhitespaceTokenizer
 
 TRAIN = catalog.TRAIN_SETS["simplelr_math_l3to5"]

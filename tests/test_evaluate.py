@@ -20,9 +20,9 @@ import yaml
 from flax import nnx
 
 from epgrpo_jax import evaluate as E
-from epgrpo_jax import steps
-from epgrpo_jax.benchmarks import DATA_DIR_ENV, get_spec, load_benchmark, shipped_file
-from epgrpo_jax.checkpointing import Checkpointer, restore_trainable
+from epgrpo_jax.training import programs as steps
+from epgrpo_jax.data.evalsets import DATA_DIR_ENV, get_spec, load_benchmark, shipped_file
+from epgrpo_jax.io.checkpointing import Checkpointer, restore_trainable
 from epgrpo_jax.models import LoraConfig, from_pretrained, lora_layers
 from epgrpo_jax.rewards import RewardScorer
 from helpers import tiny_hf_dir
@@ -125,7 +125,7 @@ def test_table_reports_skipped_and_empty_benchmarks():
 
 
 def test_long_prompts_are_skipped_and_counted(qwen_tokenizer_dir):
-  from epgrpo_jax.data import DataConfig, PromptRenderer
+  from epgrpo_jax.data.pipeline import DataConfig, PromptRenderer
   from epgrpo_jax.models import load_tokenizer
   renderer = PromptRenderer(load_tokenizer(qwen_tokenizer_dir),
                             DataConfig(prompt_template=E.EVAL_TEMPLATE))

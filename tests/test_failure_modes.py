@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from epgrpo_jax import data, train as train_cli
+from epgrpo_jax import train as train_cli
+from epgrpo_jax.data import pipeline as data
 from epgrpo_jax.rewards import RewardScorer
 from epgrpo_jax.tasks import arithmetic
 from helpers import WhitespaceTokenizer
@@ -236,7 +237,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
 
 
 def test_rows_that_are_not_text_or_not_parsable_are_skipped_with_the_real_checks(tmp_path):
-  from epgrpo_jax.trainer import answer_parses
+  from epgrpo_jax.training.trainer import answer_parses
   path = tmp_path / "rows.jsonl"
   lines = [
       json.dumps({"problem": "What is 1+1?", "answer": "2"}),
@@ -282,7 +283,7 @@ def test_cli_error_has_no_traceback_in_a_real_process(tmp_path):
 def test_a_bug_inside_a_step_keeps_its_traceback(capsys, task, tmp_path, monkeypatch):
   # A ValueError from inside the step is a bug, not bad input: `main` lets it propagate (the
   # interpreter then prints the traceback and exits 1), where it used to become exit 2.
-  from epgrpo_jax import trainer as trainer_mod
+  from epgrpo_jax.training import trainer as trainer_mod
 
   def broken_step(self, *args, **kwargs):
     raise ValueError("operands could not be broadcast together")

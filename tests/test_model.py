@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from epgrpo_jax.benchmarks import load_benchmark
+from epgrpo_jax.data.evalsets import load_benchmark
 from epgrpo_jax.models._lora import fused, low_rank
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
                                from_pretrained, hf_state_dict, init_cache, load_config,
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
                                rope, rope_table, save_pretrained, stop_token_ids, unmerge_lora)
-from epgrpo_jax.sharding import MeshConfig, make_mesh, param_sharding
+from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
 from helpers import random_model, tiny_config, tiny_hf_dir, torch_logits
 
 torch = pytest.importorskip("torch")
@@ -634,7 +634,8 @@ def test_fused_projections_equal_separate_layers(base_dir):
 
 def _update_temp_bytes(num_layers: int, remat: bool) -> int:
   """Compiled temporaries of the trainer's update program (abstract shapes, never run)."""
-  from epgrpo_jax import losses, steps
+  from epgrpo_jax.core import losses
+  from epgrpo_jax.training import programs as steps
   cfg = preset("test-tiny", remat=remat, num_layers=num_layers)
   model = nnx.eval_shape(lambda: Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0)))
   policy = steps.Policy.from_model(model, full_finetune=False)
@@ -667,7 +668,8 @@ def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
   """Full fine-tuning, where the gradients are as large as the weights: the accumulating program
   keeps one running sum, so its compiled temporaries stay put as k goes 1 -> 2 -> 4 (holding each
   micro-batch's gradients would add a weights' worth per micro-batch)."""
-  from epgrpo_jax import losses, steps
+  from epgrpo_jax.core import losses
+  from epgrpo_jax.training import programs as steps
   # Wide layers, few tokens: the weights (and so each gradient) outweigh the activations.
   cfg = preset("test-tiny", num_layers=2, hidden_size=256, intermediate_size=1024, num_heads=4,
                num_kv_heads=2)

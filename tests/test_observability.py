@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epgrpo_jax import heatmap, plot
-from epgrpo_jax.metrics import (MetricsWriter, Progress, read_metrics, read_tensorboard_scalars,
+from epgrpo_jax.tools import heatmap
+from epgrpo_jax.tools import plot
+from epgrpo_jax.io.metrics import (MetricsWriter, Progress, read_metrics, read_tensorboard_scalars,
                                 tb_tag, token_strings)
 
 # Every metric issue 8 lists, written at every training step.
@@ -311,8 +312,11 @@ def test_token_strings_concatenate_to_the_text(task):
 def test_sample_records_hold_every_per_token_quantity():
   import jax.numpy as jnp
 
-  from epgrpo_jax import advantages, data, rewards, steps
-  from epgrpo_jax.trainer import sample_records
+  from epgrpo_jax import rewards
+  from epgrpo_jax.core import advantages
+  from epgrpo_jax.data import pipeline as data
+  from epgrpo_jax.training import programs as steps
+  from epgrpo_jax.training.trainer import sample_records
 
   rng = np.random.default_rng(0)
   P, G, T = 3, 4, 6
@@ -358,7 +362,7 @@ def smoke_run(task, tmp_path_factory):
   """Two RL steps of the tiny config, samples dumped every step, pass@4 in held-out eval."""
   from test_trainer import tiny_config
 
-  from epgrpo_jax.trainer import train
+  from epgrpo_jax.training.trainer import train
   run_dir = tmp_path_factory.mktemp("obs") / "run"
   train(tiny_config(task, run_dir, "logging.samples_every=1", "logging.samples_count=2",
                     "eval.samples=4"))

@@ -48,7 +48,9 @@ SMOKE_CONFIG = ROOT / "configs" / "qwen2.5-0.5b-real-smoke.yaml"
 
 def chat_prompts(model_dir: str | Path, n: int = NUM_PROMPTS) -> list[list[int]]:
   """Token ids of the first `n` MATH500 problems, chat-rendered as `evaluate` renders them."""
-  from epgrpo_jax import benchmarks, data, evaluate
+  from epgrpo_jax import evaluate
+  from epgrpo_jax.data import evalsets as benchmarks
+  from epgrpo_jax.data import pipeline as data
   from epgrpo_jax.models import load_tokenizer
   problems = benchmarks.load_benchmark("math500", PROMPTS_FILE, limit=n)
   renderer = data.PromptRenderer(load_tokenizer(model_dir),
@@ -58,7 +60,7 @@ def chat_prompts(model_dir: str | Path, n: int = NUM_PROMPTS) -> list[list[int]]
 
 def left_padded(prompts: list[list[int]], pad_id: int):
   """(tokens, mask, positions) [B, T] numpy, left-padded to the longest prompt."""
-  from epgrpo_jax.sampling import left_pad
+  from epgrpo_jax.rollout.sampling import left_pad
   tokens_BxT, mask_BxT = left_pad(prompts, max(map(len, prompts)), pad_id)
   positions_BxT = np.maximum(np.cumsum(mask_BxT, axis=1) - 1, 0).astype(np.int32)
   return tokens_BxT, mask_BxT, positions_BxT
@@ -85,7 +87,7 @@ hf_logits = torch_logits
 
 def our_greedy(model, prompts, eos_ids, pad_id: int, n: int = GREEDY_TOKENS) -> list[list[int]]:
   """Greedy continuations by our sampler, each cut after its first stop token."""
-  from epgrpo_jax.sampling import Sampler, SamplingConfig
+  from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
   sampler = Sampler(SamplingConfig(greedy=True, max_new_tokens=n), eos_ids=eos_ids, pad_id=pad_id)
   out = sampler.sample(model, prompts, num_samples=1, key=jax.random.key(0))
   tokens, mask = np.asarray(out.tokens[:, 0]), np.asarray(out.mask[:, 0])

@@ -26,9 +26,10 @@ import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import load_file
 
-from epgrpo_jax import data, train as train_cli
-from epgrpo_jax import trainer as trainer_mod
-from epgrpo_jax.checkpointing import Checkpointer, committed_steps
+from epgrpo_jax import train as train_cli
+from epgrpo_jax.data import pipeline as data
+from epgrpo_jax.training import trainer as trainer_mod
+from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.tasks import arithmetic
 
 REPO = Path(__file__).resolve().parents[1]

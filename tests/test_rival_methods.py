@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from epgrpo_jax import data
-from epgrpo_jax.config import TrainConfig
-from epgrpo_jax.losses import (LossConfig, high_entropy_mask, masked_quantile, policy_loss,
+from epgrpo_jax.data import pipeline as data
+from epgrpo_jax.training.config import TrainConfig
+from epgrpo_jax.core.losses import (LossConfig, high_entropy_mask, masked_quantile, policy_loss,
                                sequence_log_ratio)
 from epgrpo_jax.rewards import RewardResult, overlong_penalty
-from epgrpo_jax.trainer import (SampledRound, Trainer, group_has_signal, merge_rewards,
+from epgrpo_jax.training.trainer import (SampledRound, Trainer, group_has_signal, merge_rewards,
                                 merge_rounds, select_groups, truncated_rows)
 
 from helpers import Events, arithmetic_task, rl_step_config

@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from epgrpo_jax import sampling
+from epgrpo_jax.rollout import sampling
 from epgrpo_jax.models import LORA, LoraConfig, Qwen2, lora_layers, preset
-from epgrpo_jax.sampling import Sampler, SamplingConfig, bucket, sample_step
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig, bucket, sample_step
 
 # ---------------------------------------------------------------------------
 # References: a full sort per row, the documented tie rule.
@@ -376,12 +376,12 @@ def test_prompts_as_padded_arrays(nucleus_sampler):
 
 
 def test_sharded_sampling_matches_single_device(model, greedy_sampler, caplog):
-  from epgrpo_jax import sharding
+  from epgrpo_jax.parallel import sharding
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
   graphdef, state = nnx.split(model)
   state = jax.device_put(state, sharding.state_shardings(state, mesh))
   sharded = Sampler(greedy_sampler.config, eos_ids=(-5,), mesh=mesh)
-  with caplog.at_level("INFO", logger="epgrpo_jax.sampling"):
+  with caplog.at_level("INFO", logger="epgrpo_jax.rollout.sampling"):
     got = sharded.sample((graphdef, state), PROMPTS, 2, jax.random.key(0))
   assert sharded.num_compilations == 1 and not uses_cpu_kernel(sharded)  # XLA's, over 8 devices
   assert "prompts=2 prompt_len=16 gen_len=16 samples=2" in caplog.text
@@ -398,15 +398,16 @@ class TestCpuDecodeAttention(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_matches_xla_attention(self):
-    from epgrpo_jax.models import _cpu_kernels, attend
-    assert _cpu_kernels.available()  # the test machines have a C++ compiler
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    from epgrpo_jax.models import attend
+    assert cpu_kernels.available()  # the test machines have a C++ compiler
     b, k, g, hd, s = 3, 2, 3, 40, 45  # blocks of 32 and 8 slots / head-dim columns, and tails
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.float32)
     keys = jnp.asarray(rng.standard_normal((b, k, hd, s)), jnp.float32)
     values = jnp.asarray(rng.standard_normal((b, k, s, hd)), jnp.float32)
     allowed = jnp.asarray(rng.random((b, s)) < 0.7).at[2].set(False)  # row 2: no allowed slot
-    kernel = self.variant(_cpu_kernels.decode_attention)
+    kernel = self.variant(cpu_kernels.decode_attention)
     for limit in (1, 7, 40, s):
       got = kernel(q, keys, values, allowed, limit)
       visible = allowed & (jnp.arange(s) < limit)[None]
@@ -418,7 +419,8 @@ class TestCpuDecodeAttention(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_reads_shared_slots_from_each_groups_first_row(self):
-    from epgrpo_jax.models import _cpu_kernels, attend
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    from epgrpo_jax.models import attend
     b, k, g, hd, s, shared = 6, 2, 2, 64, 50, 33  # 2 groups of 3 rows
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.float32)
@@ -429,7 +431,7 @@ class TestCpuDecodeAttention(chex.TestCase):
     leader = np.repeat(np.arange(0, b, 3), 3)
     seen_keys = keys.at[:, :, :, :shared].set(keys[leader][:, :, :, :shared])
     seen_values = values.at[:, :, :shared].set(values[leader][:, :, :shared])
-    kernel = self.variant(functools.partial(_cpu_kernels.decode_attention, share_rows=3,
+    kernel = self.variant(functools.partial(cpu_kernels.decode_attention, share_rows=3,
                                             shared_slots=shared))
     for limit in (20, s):
       visible = (allowed & (jnp.arange(s) < limit)[None])[:, None]
@@ -443,10 +445,10 @@ class TestCpuLargestThreshold(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_top_k_thresholds_equal_xla(self):
-    from epgrpo_jax.models import _cpu_kernels
-    assert _cpu_kernels.available()
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    assert cpu_kernels.available()
     logits = jnp.asarray(random_logits(5, 96, 61) * 4)  # both signs, ties, a tail of 5 lanes
-    kernel = self.variant(_cpu_kernels.largest_threshold)
+    kernel = self.variant(cpu_kernels.largest_threshold)
     for k in (1, 3, 20, 61):
       target = jnp.full((96,), k, jnp.float32)
       got = kernel(logits, jnp.ones_like(logits), target)
@@ -456,9 +458,9 @@ class TestCpuLargestThreshold(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_top_p_thresholds_equal_a_full_sort(self):
-    from epgrpo_jax.models import _cpu_kernels
+    from epgrpo_jax.kernels import cpu as cpu_kernels
     probs = softmax_np(random_logits(6, 256, 203))
-    kernel = self.variant(_cpu_kernels.largest_threshold)
+    kernel = self.variant(cpu_kernels.largest_threshold)
     for top_p in (0.3, 0.9, 0.999):
       target = jnp.full((256,), top_p, jnp.float32)
       got = np.asarray(kernel(jnp.asarray(probs), jnp.asarray(probs), target))
@@ -473,18 +475,18 @@ class TestCpuLargestThreshold(chex.TestCase):
       assert checked > 200
 
   def test_unreachable_target_gives_the_smallest_value(self):
-    from epgrpo_jax.models import _cpu_kernels
+    from epgrpo_jax.kernels import cpu as cpu_kernels
     values = jnp.asarray([[0.5, -2.0, 7.0, 1.0], [3.0, 3.0, 3.0, 3.0]], jnp.float32)
-    got = _cpu_kernels.largest_threshold(values, jnp.ones_like(values), jnp.asarray([9.0, 2.0]))
+    got = cpu_kernels.largest_threshold(values, jnp.ones_like(values), jnp.asarray([9.0, 2.0]))
     np.testing.assert_array_equal(got, [-2.0, 3.0])
 
   def test_negative_and_positive_zero_are_one_value(self):
     # -0.0 == 0.0: with separate keys for them the bisection once never ended.
-    from epgrpo_jax.models import _cpu_kernels
+    from epgrpo_jax.kernels import cpu as cpu_kernels
     values = jnp.asarray([[-0.0, 0.0, 1.0, -1.0, -0.0], [0.0, -0.0, -0.0, -2.0, 3.0]], jnp.float32)
     for k in (1, 2, 3, 4):
       target = jnp.full((2,), k, jnp.float32)
-      got = _cpu_kernels.largest_threshold(values, jnp.ones_like(values), target)
+      got = cpu_kernels.largest_threshold(values, jnp.ones_like(values), target)
       np.testing.assert_array_equal(got, sampling.largest_threshold(values, jnp.ones_like(values), target))
 
 
@@ -497,7 +499,7 @@ def uses_cpu_kernel(sampler: Sampler) -> bool:
 
 
 def test_sampler_decodes_with_the_cpu_kernel_like_xla(model):
-  from epgrpo_jax import sharding
+  from epgrpo_jax.parallel import sharding
   config = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, **BUCKETS)
   with_xla = Sampler(config.replace(cpu_kernels=False))
   want = with_xla.sample(model, PROMPTS, 4, jax.random.key(3))
@@ -511,18 +513,18 @@ def test_sampler_decodes_with_the_cpu_kernel_like_xla(model):
 
 
 def test_cpu_kernel_without_a_compiler_falls_back_to_xla(model, tmp_path, monkeypatch, caplog):
-  from epgrpo_jax.models import _cpu_kernels
+  from epgrpo_jax.kernels import cpu as cpu_kernels
   with pytest.raises(RuntimeError, match="compiler '/no/such/c\\+\\+' not found"):
-    _cpu_kernels.build("/no/such/c++", tmp_path)
-  with pytest.raises(RuntimeError, match="false failed on _cpu_kernels.cc"):
-    _cpu_kernels.build("false", tmp_path)  # a "compiler" that exits 1
+    cpu_kernels.build("/no/such/c++", tmp_path)
+  with pytest.raises(RuntimeError, match="false failed on cpu.cc"):
+    cpu_kernels.build("false", tmp_path)  # a "compiler" that exits 1
   assert not list(tmp_path.iterdir())  # no partial library left behind
   monkeypatch.setenv("CXX", "/no/such/c++")
   monkeypatch.setenv("EPGRPO_KERNEL_DIR", str(tmp_path))
   with caplog.at_level("WARNING", logger="epgrpo_jax.models"):
-    assert not _cpu_kernels.available.__wrapped__()
+    assert not cpu_kernels.available.__wrapped__()
   assert "kernels unavailable, using XLA's attention and thresholds" in caplog.text
-  monkeypatch.setattr(_cpu_kernels, "available", lambda: False)
+  monkeypatch.setattr(cpu_kernels, "available", lambda: False)
   sampler = Sampler(SamplingConfig(greedy=True, max_new_tokens=8, **BUCKETS))
   out = sampler.sample(model, PROMPTS, 1, jax.random.key(0))
   assert not uses_cpu_kernel(sampler)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from epgrpo_jax import sft as S
-from epgrpo_jax.rows import read_rows
+from epgrpo_jax import sft as sft_command
+from epgrpo_jax.supervised import sft as S
+from epgrpo_jax.io.records import read_rows
 from epgrpo_jax.tasks import arithmetic as A
 
 
@@ -126,7 +127,7 @@ def test_lora_trains_adapters_only(assets, tokenizer):
 ])
 def test_cli_usage_errors_exit_2_one_line(argv, needle, capsys):
   try:  # argparse's own errors exit; the others are returned as the exit code
-    code = S.main(argv)
+    code = sft_command.main(argv)
   except SystemExit as exc:
     code = exc.code
   assert code == 2
@@ -165,7 +166,7 @@ def test_out_never_overwrites_the_inputs(assets, tmp_path, capsys):
   shutil.copyfile(assets.train_file, data)
   for out, needle in ((model, "is the input model"), (tmp_path, "holds the training data"),
                       (data, "exists and is not a directory")):
-    code = S.main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "1"])
+    code = sft_command.main(["--model", str(model), "--data", str(data), "--out", str(out), "--steps", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and needle in err[0], err
   assert {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()} == before

@@ -1,5 +1,5 @@
 """Sharded runs on 8 fake CPU devices give the results of one device, and arrays are
-sharded as declared in `epgrpo_jax.sharding`."""
+sharded as declared in `epgrpo_jax.parallel.sharding`."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from epgrpo_jax import sharding
-from epgrpo_jax.config import TrainConfig
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.training.config import TrainConfig
 from epgrpo_jax.models import from_pretrained, save_pretrained
-from epgrpo_jax.sampling import Sampler, SamplingConfig
-from epgrpo_jax.sharding import MeshConfig, make_mesh
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
 from epgrpo_jax.tasks import arithmetic
-from epgrpo_jax.trainer import Trainer
+from epgrpo_jax.training.trainer import Trainer
 from helpers import randomize
 
 # (data, fsdp, tensor); (2, 2, 2) uses every axis and runs by default, the others in CI (slow).
@@ -225,7 +225,8 @@ def test_declared_specs_for_cache_and_batches():
 
 def test_sharded_rematerialised_update_matches_plain_update():
   """The update program on a (2, 2, 2) mesh with `remat` gives the one-device update."""
-  from epgrpo_jax import losses, steps
+  from epgrpo_jax.core import losses
+  from epgrpo_jax.training import programs as steps
   from epgrpo_jax.models import LoraConfig
   from helpers import random_model, tiny_config
 

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from epgrpo_jax import steps
-from epgrpo_jax.config import TrainConfig
-from epgrpo_jax.trainer import Trainer, train
+from epgrpo_jax.training import programs as steps
+from epgrpo_jax.training.config import TrainConfig
+from epgrpo_jax.training.trainer import Trainer, train
 from epgrpo_jax.tasks import arithmetic
 
 
@@ -137,7 +137,7 @@ def test_reference_pass_uses_adapters_off(task, tmp_path):
 
 def test_gradient_accumulation_equals_one_pass(task, tmp_path):
   """Gradients of 2 micro-batches combined = the full batch's, for each loss aggregation."""
-  from epgrpo_jax.losses import AGGREGATIONS, LossConfig
+  from epgrpo_jax.core.losses import AGGREGATIONS, LossConfig
   trainer = Trainer(tiny_config(task, tmp_path / "run"))
   try:
     state = trainer.initial_state()

@@ -7,7 +7,7 @@
 Trains every variant (GRPO, Higher Temp, More Rollouts, +EG, +IPS, +EG+IPS,
 +IPS+ZVD, EP-GRPO, and the rival rows below) for each of N seeds
 (`train.seed` = first seed + i) from the same warm-started model and data with
-the same step budget, each by calling `epgrpo_jax.trainer.train` on
+the same step budget, each by calling `epgrpo_jax.training.trainer.train` on
 `configs/<variant>.yaml` (EP-GRPO: `configs/default.yaml`) plus the shared
 `key=value` overrides. Each final policy is evaluated on the held-out set by
 the trainer (16 samples per problem, temperature `eval.temperature`): Acc,
@@ -18,7 +18,7 @@ Writes under OUT (default runs/compare):
   results.md                  tables shaped like Tables II and IV (mean ± std over seeds),
                               zero-variance statistics, advantage diagnostics, timing
   summary.json                the same numbers, machine-readable
-  curves/                     seed-averaged training curves overlaid per variant (epgrpo_jax.plot)
+  curves/                     seed-averaged training curves overlaid per variant (epgrpo_jax.tools.plot)
 
 Resumable: a (variant, seed) whose result.json exists is not run again; one
 killed part-way resumes from its last checkpoint (or restarts if it has none).
@@ -48,10 +48,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from epgrpo_jax import cli, configlib
-from epgrpo_jax.atomic import write_text_atomic
-from epgrpo_jax.advantages import VARIANTS as ADVANTAGE_VARIANTS
-from epgrpo_jax.config import CONFIG_DIR, TrainConfig
+from epgrpo_jax.io import commandline
+from epgrpo_jax.io import configlib
+from epgrpo_jax.io.atomic import write_text_atomic
+from epgrpo_jax.core.advantages import VARIANTS as ADVANTAGE_VARIANTS
+from epgrpo_jax.training.config import CONFIG_DIR, TrainConfig
 
 log = logging.getLogger("epgrpo_jax.experiments.compare")
 
@@ -261,8 +262,8 @@ def check_plan(plan: Plan) -> dict[tuple[str, int], TrainConfig]:
 
 def run_one(plan: Plan, variant: Variant, seed: int, cfg: TrainConfig) -> dict[str, Any] | None:
   """Trains and evaluates one (variant, seed) unless its result.json exists; None if stopped."""
-  from epgrpo_jax.metrics import read_metrics
-  from epgrpo_jax.trainer import resolve_embedded, train
+  from epgrpo_jax.io.metrics import read_metrics
+  from epgrpo_jax.training.trainer import resolve_embedded, train
 
   run_dir = plan.run_dir(variant, seed)
   result_path = run_dir / "result.json"
@@ -500,7 +501,7 @@ def write_report(plan: Plan, results: dict[str, list[dict]], curves: dict[str, P
 
 def seed_mean_records(run_dirs: Sequence[Path]) -> list[dict]:
   """One record per step with the mean over runs of every numeric metric logged at that step."""
-  from epgrpo_jax.metrics import read_metrics
+  from epgrpo_jax.io.metrics import read_metrics
   by_step: dict[int, dict[str, list[float]]] = {}
   for d in run_dirs:
     latest: dict[int, dict] = {}  # per step and kind (train / held-out), the last record
@@ -517,7 +518,7 @@ def seed_mean_records(run_dirs: Sequence[Path]) -> list[dict]:
 
 def write_curves(plan: Plan, results: dict[str, list[dict]]) -> dict[str, Path]:
   """Seed-averaged metrics per variant (curves/data/<variant>/metrics.jsonl), overlaid by plot."""
-  from epgrpo_jax import plot
+  from epgrpo_jax.tools import plot
   dirs, names = [], []
   for v in plan.variants:
     runs = results.get(v.name)
@@ -541,7 +542,7 @@ def write_curves(plan: Plan, results: dict[str, list[dict]]) -> dict[str, Path]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = cli.ArgumentParser(prog="python -m epgrpo_jax.experiments.compare",
+  p = commandline.ArgumentParser(prog="python -m epgrpo_jax.experiments.compare",
                          description=__doc__.splitlines()[0])
   p.add_argument("--out", help="output directory (default runs/compare, --quick: runs/compare-quick)")
   p.add_argument("--variants", help=f"comma-separated subset of {','.join(BY_NAME)} (default all; "
@@ -586,8 +587,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  cli.setup_logging(args.debug)
-  cli.enable_compilation_cache()
+  commandline.setup_logging(args.debug)
+  commandline.enable_compilation_cache()
   command = "python -m epgrpo_jax.experiments.compare " + " ".join(
       sys.argv[1:] if argv is None else list(argv))
 
@@ -596,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfgs = check_plan(plan)
     plan.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-      from epgrpo_jax.sampling import shared_programs
+      from epgrpo_jax.rollout.sampling import shared_programs
       start = time.perf_counter()
       with shared_programs():  # the runs' samplers trace each program shape once
         for v in plan.variants:
@@ -612,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[compare] report: {path}", flush=True)
     return 0
 
-  return cli.run_main(run, debug=args.debug)
+  return commandline.run_main(run, debug=args.debug)
 
 
 if __name__ == "__main__":

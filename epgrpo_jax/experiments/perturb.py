@@ -6,8 +6,8 @@
 
 Protocol (each step is exactly what the code does):
 
-1. Problems: the first `--problems` of the held-out set `data.heldout_file`,
-   rendered as in training (`data.PromptRenderer`). The config is `--config`,
+1. Problems: the first `--problems` of the held-out set `pipeline.heldout_file`,
+   rendered as in training (`pipeline.PromptRenderer`). The config is `--config`,
    else the run's `config.yaml` next to `--model` (a run's `policy/` directory),
    else configs/default.yaml (for the embedded task: its held-out split).
 2. Responses: `--samples` completions per problem from the model at
@@ -53,8 +53,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from epgrpo_jax import cli
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io import commandline
+from epgrpo_jax.io.errors import UserError
 
 CONDITIONS = ("high", "low", "random")
 PAPER_RATIO = 3.5  # Fig 2(a): drop(high) / drop(low) on Qwen2.5 and MATH
@@ -123,7 +123,7 @@ def sample_correct(sampler, params, examples, golds, tokenizer, scorer, *, sampl
   """Step 2: correct, finished sampled responses with their token entropies."""
   import jax
 
-  from epgrpo_jax.distributed import to_host
+  from epgrpo_jax.parallel.distributed import to_host
   eos = np.asarray(sampler.eos_ids or (-1,))
   kept: list[Response] = []
   counts = {"sampled": 0, "correct": 0, "correct_unfinished": 0}
@@ -155,7 +155,7 @@ def continue_and_score(sampler, params, examples, golds, tokenizer, scorer,
   """Steps 5-6: correctness [items, continuations] of prefix + sampled continuation."""
   import jax
 
-  from epgrpo_jax.distributed import to_host
+  from epgrpo_jax.parallel.distributed import to_host
   correct = np.zeros((len(items), continuations), np.float32)
   for lo, n, batch in _padded_batches(items, prompts_per_batch):
     key, sub = jax.random.split(key)
@@ -236,7 +236,7 @@ def markdown(result: dict[str, Any], settings: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = cli.ArgumentParser(prog="python -m epgrpo_jax.experiments.perturb",
+  p = commandline.ArgumentParser(prog="python -m epgrpo_jax.experiments.perturb",
                          description=__doc__.splitlines()[0])
   p.add_argument("--model", required=True, help="HF model directory (e.g. RUN/policy)")
   p.add_argument("--config", help="config for the data and prompt (default: RUN/config.yaml "
@@ -264,9 +264,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace, model_dir: Path):
-  from epgrpo_jax import configlib
-  from epgrpo_jax.config import TrainConfig, load_config
-  from epgrpo_jax.trainer import resolve_embedded
+  from epgrpo_jax.io import configlib
+  from epgrpo_jax.training.config import TrainConfig, load_config
+  from epgrpo_jax.training.trainer import resolve_embedded
   run_config = model_dir.parent / "config.yaml"
   if args.config is None and run_config.is_file():
     cfg = configlib.load(TrainConfig, run_config, args.overrides)
@@ -281,18 +281,18 @@ def _config(args: argparse.Namespace, model_dir: Path):
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  cli.setup_logging(args.debug)
-  cli.enable_compilation_cache()
+  commandline.setup_logging(args.debug)
+  commandline.enable_compilation_cache()
 
   def run() -> int:
     import jax
 
-    from epgrpo_jax import data
+    from epgrpo_jax.data import pipeline
     from epgrpo_jax.evaluate import load_policy
     from epgrpo_jax.models import load_tokenizer, stop_token_ids
     from epgrpo_jax.rewards import RewardScorer, parse_gold
-    from epgrpo_jax.sampling import Sampler, SamplingConfig
-    from epgrpo_jax.trainer import answer_parses
+    from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+    from epgrpo_jax.training.trainer import answer_parses
 
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
@@ -300,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = _config(args, model_dir)
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir)
-    renderer = data.PromptRenderer(tokenizer, cfg.data)
-    examples, _ = data.load_examples([cfg.data.heldout_file], renderer, cfg.data,
+    renderer = pipeline.PromptRenderer(tokenizer, cfg.data)
+    examples, _ = pipeline.load_examples([cfg.data.heldout_file], renderer, cfg.data,
                                      answer_ok=answer_parses, field="data.heldout_file")
     examples = examples[:args.problems]
     golds = [parse_gold(e.answer) for e in examples]
@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"written: {out_dir / 'perturb.json'}, {out_dir / 'perturb.md'}")
     return 0
 
-  return cli.run_main(run, debug=args.debug)
+  return commandline.run_main(run, debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -9,4 +9,3 @@ from epgrpo_jax.models._hf_io import (HF_TO_NNX, TOKENIZER_FILES, from_pretraine
                                       load_config, save_pretrained)
 from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, check_vocab, encode_prompts, load_tokenizer,
                                           render_prompt, stop_token_ids)
-from epgrpo_jax.models import _cpu_kernels as cpu_kernels  # CPU-only XLA FFI kernels (decode)

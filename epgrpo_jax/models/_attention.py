@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models._config import ATTENTION as IMPLEMENTATIONS
 
 _NEG = -1e30  # finite, so that a row with no valid key gets a uniform, not NaN, softmax

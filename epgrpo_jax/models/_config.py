@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION = ("auto", "plain", "blockwise", "cudnn")

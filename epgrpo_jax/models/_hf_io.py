@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear
 from epgrpo_jax.models._qwen2 import Qwen2
@@ -110,9 +110,9 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
 
   `dtype` is the compute dtype, `param_dtype` the base-weight dtype (default:
   float32). LoRA adapters, when requested, are freshly initialised (B = 0).
-  With a mesh, each tensor goes straight to its sharding from `epgrpo_jax.sharding`.
+  With a mesh, each tensor goes straight to its sharding from `epgrpo_jax.parallel.sharding`.
   """
-  from epgrpo_jax import sharding  # layered above models; imported lazily
+  from epgrpo_jax.parallel import sharding  # layered above models; imported lazily
 
   directory = Path(directory)
   overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
@@ -175,7 +175,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
 def _place(array, path: str, mesh, sharding_mod):
   if mesh is None:
     return jnp.asarray(array)
-  from epgrpo_jax import distributed  # every process holds the whole tensor: no collective
+  from epgrpo_jax.parallel import distributed  # every process holds the whole tensor: no collective
   return distributed.put(array, sharding_mod.param_sharding(path, array.shape, mesh))
 
 

@@ -49,7 +49,7 @@ _DECODE_KERNEL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar
 def decode_kernel(fn: Callable | None):
   """While tracing inside, one-token decode steps over a float32 cache attend with
   `fn(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit)` (slots < limit
-  are read) instead of `attend`; e.g. `_cpu_kernels.decode_attention`."""
+  are read) instead of `attend`; e.g. `cpu_kernels.decode_attention`."""
   token = _DECODE_KERNEL.set(fn)
   try:
     yield

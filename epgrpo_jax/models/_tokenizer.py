@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.models._config import ModelConfig
 
 # Used when the tokenizer has no chat template and no template is configured.

@@ -20,7 +20,7 @@ and cached under a data directory:
 * a randomly initialised tiny Qwen2 model, saved as a Hugging Face directory.
 
 `evaluate_accuracy` samples answers and checks the last ``\\boxed{}`` exactly;
-`warm_start` runs the supervised phase (`epgrpo_jax.sft`) once and caches it.
+`warm_start` runs the supervised phase (`epgrpo_jax.supervised.sft`) once and caches it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from epgrpo_jax import catalog
+from epgrpo_jax.io import catalog
 from epgrpo_jax.rewards import extract_boxed
-from epgrpo_jax.rows import read_rows
+from epgrpo_jax.io.records import read_rows
 
 VERSION = "arithmetic-v1"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -444,14 +444,14 @@ def generate(model, tokenizer, prompts: Sequence[str], *, num_samples: int = 1,
              prompts_per_call: int = 128) -> list[list[str]]:
   """`num_samples` completions of each rendered prompt (temperature 0: greedy).
 
-  Uses `epgrpo_jax.sampling.Sampler` (plain temperature sampling, no top-k or
+  Uses `epgrpo_jax.rollout.sampling.Sampler` (plain temperature sampling, no top-k or
   top-p), `prompts_per_call` prompts at a time (the last call padded with
   repeats, so each shape compiles once). Stop tokens and padding are stripped.
   """
   import jax
   import numpy as np
 
-  from epgrpo_jax.sampling import Sampler, SamplingConfig
+  from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
   key = jax.random.key(0) if key is None else key
   eos = [tokenizer.eos_token_id] + [e for e in model.cfg.eos_ids if e != tokenizer.eos_token_id]
@@ -516,7 +516,7 @@ def evaluate_accuracy(model, tokenizer, problems: Sequence[dict[str, Any]], num_
 # ----------------------------------------------------------------------------- warm start
 
 # The supervised warm start of the embedded default (`EmbeddedConfig` in
-# `epgrpo_jax/config.py` repeats steps, batch size and rate). It stops just after
+# `epgrpo_jax/training/config.py` repeats steps, batch size and rate). It stops just after
 # the model learns to copy operands: at seed 0 the held-out accuracy is about 41%
 # sampled at T = 1 and 55% greedy, near 80% on levels 1-2 and near 0% on level 5.
 WARM_START: dict[str, Any] = dict(steps=800, batch_size=16, lr=3e-3, warmup_ratio=0.05,
@@ -532,7 +532,7 @@ def slipped_rows(rows: Sequence[dict[str, Any]], slip: float, seed: int) -> list
 
 def sft_config(assets: Assets, out: str | Path | None = None, **overrides):
   """The `SFTConfig` of the warm start on `assets` (train split, `WARM_START`)."""
-  from epgrpo_jax.sft import SFTConfig
+  from epgrpo_jax.supervised.sft import SFTConfig
 
   kw = {**WARM_START, "seed": assets.seed, **overrides}
   return SFTConfig(model=str(assets.model_dir), data=str(assets.train_file),
@@ -550,7 +550,7 @@ def warm_start(assets: Assets, *, steps: int | None = None, learning_rate: float
   Cached under `assets.root/sft-{hash of the settings}/` with the same atomic
   rename as `build_assets`; `sft.json` there records the loss history and time.
   """
-  from epgrpo_jax.sft import sft
+  from epgrpo_jax.supervised.sft import sft
 
   if not 0.0 <= slip < 1.0:
     raise ValueError(f"slip: must be in [0, 1), got {slip}")

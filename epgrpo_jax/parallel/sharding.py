@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
 VARIANTS: dict[str, dict[str, bool]] = {
     # Table IV. "-" anchors (no progress signal) are set off; they are unused.

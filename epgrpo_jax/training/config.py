@@ -9,18 +9,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from epgrpo_jax import catalog, configlib
-from epgrpo_jax.advantages import AdvantageConfig
-from epgrpo_jax.data import DataConfig
-from epgrpo_jax.errors import UserError
-from epgrpo_jax.losses import LossConfig
+from epgrpo_jax.io import catalog
+from epgrpo_jax.io import configlib
+from epgrpo_jax.core.advantages import AdvantageConfig
+from epgrpo_jax.data.pipeline import DataConfig
+from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.core.losses import LossConfig
 from epgrpo_jax.models import ATTENTION, LoraConfig
 from epgrpo_jax.rewards import RewardConfig
-from epgrpo_jax.sampling import SamplingConfig
-from epgrpo_jax.sharding import MeshConfig
+from epgrpo_jax.rollout.sampling import SamplingConfig
+from epgrpo_jax.parallel.sharding import MeshConfig
 
 EMBEDDED = "embedded"
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def expand_user(obj, *names: str) -> None:

@@ -1,6 +1,6 @@
 """Training curves of one or more runs, in the style of the paper's Figs 2c, 4 and 5.
 
-    python -m epgrpo_jax.plot RUN_DIR [RUN_DIR ...] [--out DIR] [--names a,b] [--alpha 0.2]
+    python -m epgrpo_jax.tools.plot RUN_DIR [RUN_DIR ...] [--out DIR] [--names a,b] [--alpha 0.2]
 
 Reads each RUN_DIR/metrics.jsonl and writes one PNG per metric (reward,
 entropy, grad norm, KL, held-out accuracy, zero-variance fraction) and a grid
@@ -21,9 +21,9 @@ from typing import Sequence
 
 import numpy as np
 
-from epgrpo_jax import cli
-from epgrpo_jax.errors import MissingFileError, UserError
-from epgrpo_jax.metrics import read_metrics
+from epgrpo_jax.io import commandline
+from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.io.metrics import read_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +178,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = cli.ArgumentParser(prog="python -m epgrpo_jax.plot", description=__doc__.splitlines()[0])
+  p = commandline.ArgumentParser(prog="python -m epgrpo_jax.tools.plot", description=__doc__.splitlines()[0])
   p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl)")
   p.add_argument("--out", help="output directory (default: RUN_DIR/plots for one run, "
                  "./plots for several)")
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(path)
     return 0
 
-  return cli.run_main(run)
+  return commandline.run_main(run)
 
 
 if __name__ == "__main__":

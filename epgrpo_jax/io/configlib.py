@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
 
 

@@ -21,20 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from epgrpo_jax import advantages, configlib, data, distributed, evaluate, sharding, steps
-from epgrpo_jax.atomic import write_text_atomic
-from epgrpo_jax.checkpointing import Checkpointer, committed_steps
-from epgrpo_jax.config import EMBEDDED, TrainConfig
-from epgrpo_jax.errors import RunError, UserError
-from epgrpo_jax.metrics import MetricsWriter, Progress
+from epgrpo_jax import evaluate
+from epgrpo_jax.core import advantages
+from epgrpo_jax.io import configlib
+from epgrpo_jax.data import pipeline
+from epgrpo_jax.parallel import distributed
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.training import programs
+from epgrpo_jax.io.atomic import write_text_atomic
+from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
+from epgrpo_jax.training.config import EMBEDDED, TrainConfig
+from epgrpo_jax.io.errors import RunError, UserError
+from epgrpo_jax.io.metrics import MetricsWriter, Progress
 from epgrpo_jax.models import (check_vocab, from_pretrained, load_config, load_tokenizer, save_pretrained,
                                stop_token_ids)
-from epgrpo_jax.sharding import make_mesh
+from epgrpo_jax.parallel.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
-from epgrpo_jax.sampling import Sampler, bucket
-from epgrpo_jax.steps import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
+from epgrpo_jax.rollout.sampling import Sampler, bucket
+from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
 
-log = logging.getLogger("epgrpo_jax.trainer")
+log = logging.getLogger("epgrpo_jax.training.trainer")
 
 
 class TrainingError(RunError):
@@ -104,7 +110,7 @@ def resolve_embedded(cfg: TrainConfig, progress: bool = True) -> TrainConfig:
   data_cfg = cfg.data
   if not data_cfg.train_files:
     # The task's prompts are bare problems ("Compute 7*5-3*2."), as in the warm start.
-    template = (arithmetic.PROMPT_TEMPLATE if data_cfg.prompt_template == data.MATH_TEMPLATE
+    template = (arithmetic.PROMPT_TEMPLATE if data_cfg.prompt_template == pipeline.MATH_TEMPLATE
                 else data_cfg.prompt_template)
     data_cfg = dataclasses.replace(data_cfg, train_files=(str(assets.train_file),),
                                    heldout_file=data_cfg.heldout_file or str(assets.heldout_file),
@@ -140,12 +146,12 @@ class Trainer:
     model_cfg = load_config(model_dir)
     self.tokenizer = load_tokenizer(model_dir)
     check_vocab(self.tokenizer, model_cfg, model_dir)
-    self.renderer = data.PromptRenderer(self.tokenizer, cfg.data)
-    self.train_examples, self.skips = data.load_examples(cfg.data.train_files, self.renderer,
+    self.renderer = pipeline.PromptRenderer(self.tokenizer, cfg.data)
+    self.train_examples, self.skips = pipeline.load_examples(cfg.data.train_files, self.renderer,
                                                          cfg.data, answer_ok=answer_parses)
-    self.heldout: list[data.Example] = []
+    self.heldout: list[pipeline.Example] = []
     if cfg.data.heldout_file:
-      self.heldout, heldout_skips = data.load_examples([cfg.data.heldout_file], self.renderer,
+      self.heldout, heldout_skips = pipeline.load_examples([cfg.data.heldout_file], self.renderer,
                                                        cfg.data, answer_ok=answer_parses,
                                                        field="data.heldout_file")
       if cfg.data.heldout_limit:
@@ -175,7 +181,7 @@ class Trainer:
 
     total_updates = t.steps * t.num_iterations * t.mini_batches
     o = cfg.optim
-    self.tx, self.schedule = steps.make_optimizer(
+    self.tx, self.schedule = programs.make_optimizer(
         o.learning_rate, total_updates, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
     on_policy = t.num_iterations == 1 and t.mini_batches == 1
@@ -190,7 +196,7 @@ class Trainer:
     self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id, mesh=self.mesh)
     self.scorer = RewardScorer(cfg.reward)
     self.golds = {}
-    self.data_iter = data.batch_iterator(
+    self.data_iter = pipeline.batch_iterator(
         len(self.train_examples), t.prompts_per_step, seed=t.seed,
         shuffle=cfg.data.shuffle, shard_index=jax.process_index(), shard_count=jax.process_count())
     self.checkpointer = Checkpointer(self.out_dir / "checkpoints", keep=cfg.checkpoint.keep)
@@ -252,7 +258,7 @@ class Trainer:
     """One RL step: `collect` (sample -> reward -> score -> advantage), then `update`."""
     return self.update(state, self.collect(state))
 
-  def collect(self, state: RunState, examples: list[data.Example] | None = None) -> Collected:
+  def collect(self, state: RunState, examples: list[pipeline.Example] | None = None) -> Collected:
     """Samples G completions of P prompts (the next batch of the data iterator, or `examples`),
     rewards them on the host while the scoring pass runs, and computes the token-level
     advantages: everything `update` trains on. Tools (the heat map) call this alone.
@@ -378,7 +384,7 @@ class Trainer:
     return new_state, metrics, c.record()
 
   def sample_round(self, trainable: nnx.State, key: jax.Array,
-                   examples: list[data.Example] | None = None) -> SampledRound:
+                   examples: list[pipeline.Example] | None = None) -> SampledRound:
     """G completions of each of P prompts: `examples`, else the data iterator's next batch."""
     G = self.cfg.train.num_generations
     if examples is None:
@@ -390,7 +396,7 @@ class Trainer:
     return SampledRound(examples, host.prompt_ids, host.prompt_mask, host.tokens, host.mask,
                         host.logp, host.entropy)
 
-  def score_rewards(self, examples: list[data.Example], completion_BxN: np.ndarray,
+  def score_rewards(self, examples: list[pipeline.Example], completion_BxN: np.ndarray,
                     mask_BxN: np.ndarray) -> tuple[list[str], Any]:
     """(texts, RewardResult) of the completions; with `reward.overlong_buffer`, the reward
     includes DAPO's soft overlong punishment (also kept apart as `overlong_penalty`)."""
@@ -453,7 +459,7 @@ class Trainer:
 
   # -- helpers ----------------------------------------------------------------------------
 
-  def gold(self, example: data.Example):
+  def gold(self, example: pipeline.Example):
     """The parsed gold answer, cached by the answer text itself: ids may repeat across files."""
     if example.answer not in self.golds:
       self.golds[example.answer] = parse_gold(example.answer)
@@ -605,7 +611,7 @@ class AdvantageProgram:
 class SampledRound:
   """One sampled batch on the host: P prompts and G completions of each."""
 
-  examples: list  # [P] data.Example
+  examples: list  # [P] pipeline.Example
   prompt_ids: np.ndarray  # [P, Tp] left-padded
   prompt_mask: np.ndarray  # [P, Tp]
   tokens: np.ndarray  # [P, G, N]
@@ -640,7 +646,7 @@ class Collected:
   dynamic_metrics: dict[str, float]
 
   @property
-  def examples(self) -> list[data.Example]:
+  def examples(self) -> list[pipeline.Example]:
     return self.host.examples
 
   def record(self) -> dict[str, Any]:
@@ -827,7 +833,7 @@ def sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[
   Each response has its text, reward and, per token (lists of rounded floats):
   entropy, gate W, outcome advantage W * A_i, anchored signal s~, progress
   advantage, final advantage, tau and bucket; `tokens` (display strings) when
-  a tokenizer is given, else only `token_ids`. Read by `epgrpo_jax.heatmap`.
+  a tokenizer is given, else only `token_ids`. Read by `epgrpo_jax.tools.heatmap`.
   """
   examples, texts, rewards = record["examples"], record["texts"], record["rewards"]
   P = len(examples)
@@ -856,7 +862,7 @@ def sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[
            "extracted": answers[p * G + g], "outcome_adv": round(float(outcome[p, g]), 5),
            "anchor": float(anchor[p, g]), "length": len(ids), "token_ids": ids}
       if tokenizer is not None:
-        from epgrpo_jax.metrics import token_strings
+        from epgrpo_jax.io.metrics import token_strings
         r["tokens"] = token_strings(tokenizer, ids)
       r.update({k: rnd(v[p, g][keep]) for k, v in per_token.items()})
       r["bucket"] = bucket[p, g][keep].astype(int).tolist()

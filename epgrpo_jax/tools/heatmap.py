@@ -1,7 +1,7 @@
 """Token heat map of one group: how EP-GRPO assigned credit (the paper's Figs 1 and 3).
 
-    python -m epgrpo_jax.heatmap RUN_DIR [--step N] [--group I] [--out FILE.html]
-    python -m epgrpo_jax.heatmap --checkpoint RUN_DIR [--problem "..."] [--answer A]
+    python -m epgrpo_jax.tools.heatmap RUN_DIR [--step N] [--group I] [--out FILE.html]
+    python -m epgrpo_jax.tools.heatmap --checkpoint RUN_DIR [--problem "..."] [--answer A]
                                  [--samples G] [--seed S] [--out FILE.html]
 
 The first form draws a group the run dumped to RUN_DIR/samples.jsonl (default:
@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from epgrpo_jax import cli
-from epgrpo_jax.errors import MissingFileError, UserError
-from epgrpo_jax.rows import jsonl_rows
+from epgrpo_jax.io import commandline
+from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.io.records import jsonl_rows
 
 # key in samples.jsonl -> (data attribute, button label, scale kind, description)
 QUANTITIES: dict[str, tuple[str, str, str, str]] = {
@@ -124,7 +124,7 @@ def ensure_tokens(group: dict[str, Any], run_dir: str | Path | None = None) -> d
     except Exception as e:  # no config, moved model: fall back to ids
       print(f"note: cannot load the run's tokenizer ({type(e).__name__}: {e}); showing token ids",
             file=sys.stderr)
-  from epgrpo_jax.metrics import token_strings
+  from epgrpo_jax.io.metrics import token_strings
   for r in missing:
     r["tokens"] = (token_strings(tokenizer, r["token_ids"]) if tokenizer is not None
                    else [f"<{i}>" for i in r["token_ids"]])
@@ -388,11 +388,12 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
   import dataclasses
   import shutil
 
-  from epgrpo_jax import data, evaluate
-  from epgrpo_jax.checkpointing import restore_trainable
-  from epgrpo_jax.config import load_config
+  from epgrpo_jax import evaluate
+  from epgrpo_jax.data import pipeline
+  from epgrpo_jax.io.checkpointing import restore_trainable
+  from epgrpo_jax.training.config import load_config
   from epgrpo_jax.rewards import parse_gold
-  from epgrpo_jax.trainer import Trainer, sample_records
+  from epgrpo_jax.training.trainer import Trainer, sample_records
 
   run_dir = Path(run_dir)
   if not (run_dir / "config.yaml").is_file():
@@ -426,7 +427,7 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
         raise UserError("--answer: required for a problem that is not in the run's data")
       answer = known[problem].answer
     parse_gold(str(answer))  # fails early on an unusable answer
-    example = data.Example(id=known[problem].id if problem in known else "cli", problem=problem,
+    example = pipeline.Example(id=known[problem].id if problem in known else "cli", problem=problem,
                            answer=str(answer), prompt_ids=tuple(trainer.renderer.ids(problem)))
     # The collect half of a step on this problem only: sample, reward, score and advantage
     # as in training (no update).
@@ -442,7 +443,7 @@ def _mesh_for_rows(cfg, rows: int):
   the same fsdp x tensor layout with fewer data shards (on a subset of the devices)."""
   import jax
 
-  from epgrpo_jax.sharding import MeshConfig, make_mesh
+  from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
   data, fsdp, tensor = cfg.mesh.shape(jax.device_count())
   if rows % (data * fsdp) == 0:
     return make_mesh(cfg.mesh)
@@ -468,7 +469,7 @@ def write_page(group: dict[str, Any], out: str | Path, *, title: str = "",
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  p = cli.ArgumentParser(prog="python -m epgrpo_jax.heatmap",
+  p = commandline.ArgumentParser(prog="python -m epgrpo_jax.tools.heatmap",
                          description=__doc__.splitlines()[0])
   p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a run directory with samples.jsonl")
   p.add_argument("--step", type=int, help="the dumped step (default: the latest)")
@@ -499,7 +500,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  cli.setup_logging(args.debug)
+  commandline.setup_logging(args.debug)
 
   def run() -> int:
     if args.checkpoint is not None:
@@ -518,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(out)
     return 0
 
-  return cli.run_main(run, debug=args.debug)
+  return commandline.run_main(run, debug=args.debug)
 
 
 if __name__ == "__main__":

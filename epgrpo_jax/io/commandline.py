@@ -8,7 +8,7 @@ import sys
 import traceback
 from typing import Callable
 
-from epgrpo_jax.errors import RunError, UserError
+from epgrpo_jax.io.errors import RunError, UserError
 
 
 USAGE_ERROR = 2
@@ -47,7 +47,7 @@ def enable_compilation_cache() -> None:
 
 
 def run_main(fn: Callable[[], int], *, debug: bool = False) -> int:
-  """Runs `fn` with the exit codes of `epgrpo_jax.errors`.
+  """Runs `fn` with the exit codes of `epgrpo_jax.io.errors`.
 
   A `UserError` (bad config, file, path or flag) is one line on stderr and exit 2; a `RunError`
   (a documented reason to stop) one line and exit 1; Ctrl-C exit 130. Anything else is a bug

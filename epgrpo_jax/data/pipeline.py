@@ -2,7 +2,7 @@
 
 Rows come from JSONL (plain or gzipped), a JSON array, Parquet, a folder saved
 by `datasets`, a Hugging Face dataset id, or a data set shipped with the
-package, by name (`epgrpo_jax.catalog`: a training set such as
+package, by name (`epgrpo_jax.io.catalog`: a training set such as
 `simplelr_math_l3to5`, or a benchmark such as `math500`). Fields are named by
 config (dotted paths reach nested fields, e.g. `reward_model.ground_truth`);
 a named set brings its own field names. A row that
@@ -22,12 +22,12 @@ from typing import Any, Callable, Sequence
 
 import grain
 
-from epgrpo_jax import catalog
-from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.io import catalog
+from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.models import render_prompt
-from epgrpo_jax.rows import check_saved_dataset, data_stem, get_field, read_rows
+from epgrpo_jax.io.records import check_saved_dataset, data_stem, get_field, read_rows
 
-log = logging.getLogger("epgrpo_jax.data")
+log = logging.getLogger("epgrpo_jax.data.pipeline")
 
 SKIP_REASONS = ("bad_json", "not_utf8", "not_an_object", "missing_problem", "missing_answer",
                 "empty_problem", "empty_answer", "prompt_too_long", "unparsable_answer")
@@ -86,7 +86,7 @@ class Source:
 
 
 def _names() -> str:
-  from epgrpo_jax.benchmarks import BENCHMARKS
+  from epgrpo_jax.data.evalsets import BENCHMARKS
   return ", ".join([*catalog.TRAIN_SETS, *BENCHMARKS])
 
 
@@ -94,7 +94,7 @@ def resolve_source(value: str | Path, field: str = "data.train_files") -> Source
   """What `value` names: an existing file or saved `datasets` folder, else a shipped data set's
   name, else a Hugging Face dataset id (with the `datasets` library); otherwise a one-line
   `ValueError` that names `field`."""
-  from epgrpo_jax import benchmarks
+  from epgrpo_jax.data import evalsets
   text = str(value)
   split = DEFAULT_SPLIT.get(field, "train")
   path = Path(text).expanduser()
@@ -107,7 +107,7 @@ def resolve_source(value: str | Path, field: str = "data.train_files") -> Source
   if found is not None:
     return Source(text, "train_set", found.path, found.name)
   try:
-    return Source(text, "benchmark", name=benchmarks.get_spec(text).name)
+    return Source(text, "benchmark", name=evalsets.get_spec(text).name)
   except KeyError:
     pass
   ref = catalog.hf_reference(text)
@@ -126,8 +126,8 @@ def source_rows(src: Source,
                 skips: collections.Counter) -> tuple[list[Any], tuple[str, ...] | None, str]:
   """(rows, (problem, answer, id) fields or None for the config's, source label) of `src`."""
   if src.kind == "benchmark":
-    from epgrpo_jax import benchmarks
-    problems, stats = benchmarks.load_benchmark_with_stats(src.name)
+    from epgrpo_jax.data import evalsets
+    problems, stats = evalsets.load_benchmark_with_stats(src.name)
     skips.update(stats.skipped)
     rows = [{"problem": p.problem, "answer": p.answer, "id": p.id} for p in problems]
     return rows, ("problem", "answer", "id"), src.name

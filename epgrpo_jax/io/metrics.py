@@ -20,8 +20,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from epgrpo_jax.atomic import open_for_append, write_text_atomic
-from epgrpo_jax.rows import jsonl_rows
+from epgrpo_jax.io.atomic import open_for_append, write_text_atomic
+from epgrpo_jax.io.records import jsonl_rows
 
 log = logging.getLogger("epgrpo_jax")
 

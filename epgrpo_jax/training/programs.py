@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from epgrpo_jax import losses, optim, sharding
-from epgrpo_jax.distributed import place
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.core import losses
+from epgrpo_jax.core import optim
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.parallel.distributed import place
+from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint
 
 

@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
-log = logging.getLogger("epgrpo_jax.checkpointing")
+log = logging.getLogger("epgrpo_jax.io.checkpointing")
 
 
 class Checkpointer:

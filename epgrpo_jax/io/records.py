@@ -17,9 +17,9 @@ import lzma
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.io.errors import MissingFileError, UserError
 
-log = logging.getLogger("epgrpo_jax.rows")
+log = logging.getLogger("epgrpo_jax.io.records")
 
 _DECOMPRESS = {".gz": gzip.decompress, ".xz": lzma.decompress}
 
@@ -80,7 +80,7 @@ def check_saved_dataset(path: str | Path, what: str) -> None:
   if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
     raise UserError(f"{what}: {path} is a folder, but not a data set saved with datasets' "
                      f"save_to_disk")
-  from epgrpo_jax import catalog
+  from epgrpo_jax.io import catalog
   if not catalog.has_datasets():
     raise UserError(f"{what}: reading the saved data set {path} needs the optional `datasets` "
                      f"library ({catalog.DATASETS_HINT})")

@@ -7,7 +7,7 @@ slots up to the current one, a prompt's slots once for its G rows, and shares
 the rows over XLA's intra-op threads. `largest_threshold`: the top-k / top-p
 bisection of `sampling.largest_threshold`, one vectorised sweep of a row per
 step instead of a dozen single-threaded XLA loop iterations over the batch.
-`_cpu_kernels.cc` is compiled with the system's C++
+`cpu.cc` is compiled with the system's C++
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
 `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
 and the CPU; without a compiler, `available()` is False (one warning) and
@@ -35,7 +35,7 @@ logger = logging.getLogger("epgrpo_jax.models")
 
 TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
            "epgrpo_largest_threshold": "EpgrpoLargestThreshold"}  # FFI target: C++ symbol
-SOURCE = Path(__file__).with_name("_cpu_kernels.cc")
+SOURCE = Path(__file__).with_name("cpu.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
 

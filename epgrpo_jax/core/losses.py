@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
 _F32 = jnp.float32
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_max_len")

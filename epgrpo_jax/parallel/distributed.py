@@ -30,9 +30,9 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 
-log = logging.getLogger("epgrpo_jax.distributed")
+log = logging.getLogger("epgrpo_jax.parallel.distributed")
 
 ENV_COORDINATOR = "EPGRPO_COORDINATOR"  # host:port of process 0
 ENV_NUM_PROCESSES = "EPGRPO_NUM_PROCESSES"
@@ -71,7 +71,7 @@ def initialize(cfg=None, environ: Mapping[str, str] | None = None) -> bool:
   from jax._src import xla_bridge
   if xla_bridge.backends_are_initialized():
     raise RuntimeError("distributed: jax.distributed.initialize must run before any JAX "
-                       "computation; call epgrpo_jax.distributed.initialize first")
+                       "computation; call epgrpo_jax.parallel.distributed.initialize first")
   if num_processes and not -1 <= process_id < num_processes:
     raise UserError(f"distributed.process_id: must be in [0, {num_processes}), got {process_id}")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")

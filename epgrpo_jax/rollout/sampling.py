@@ -30,11 +30,11 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.errors import UserError
+from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, merge_lora, rope_table
-from epgrpo_jax.models import cpu_kernels as _cpu_kernels
+from epgrpo_jax.kernels import cpu as cpu_kernels
 
-logger = logging.getLogger("epgrpo_jax.sampling")
+logger = logging.getLogger("epgrpo_jax.rollout.sampling")
 
 _INT_MAX = np.iinfo(np.int32).max
 _SHARED_PROGRAMS: dict | None = None  # set by `shared_programs`
@@ -409,8 +409,8 @@ class Sampler:
       key = jax.random.wrap_key_data(key)
 
     if self.mesh is not None:
-      from epgrpo_jax import sharding
-      from epgrpo_jax.distributed import put  # global arrays, also across processes
+      from epgrpo_jax.parallel import sharding
+      from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
       batch = sharding.NamedSharding(self.mesh, sharding.spec_for(("batch", None), ids_PxTp.shape, self.mesh))
       ids, mask = put(ids_PxTp, batch), put(mask_PxTp, batch)
       key = put(key, sharding.replicated(self.mesh))
@@ -441,8 +441,8 @@ class Sampler:
       kernels = self._use_cpu_kernels()
       fn = jax.jit(functools.partial(
           self._generate, graphdef, num_samples=g, gen_len=n,
-          threshold=_cpu_kernels.largest_threshold if kernels else largest_threshold))
-      attention = (functools.partial(_cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
+          threshold=cpu_kernels.largest_threshold if kernels else largest_threshold))
+      attention = (functools.partial(cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
                    if kernels else None)
       with decode_kernel(attention):  # read while tracing
         program = fn.lower(*args).compile()
@@ -462,14 +462,14 @@ class Sampler:
     """
     one_device = self.mesh is None or self.mesh.size == 1
     return (self.config.cpu_kernels and one_device and jax.default_backend() == "cpu"
-            and _cpu_kernels.available())
+            and cpu_kernels.available())
 
   # -- the compiled program -------------------------------------------------
 
   def _constrain_cache(self, cache):
     if self.mesh is None:
       return cache
-    from epgrpo_jax import sharding
+    from epgrpo_jax.parallel import sharding
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
   def _generate(self, graphdef, state, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,

@@ -4,7 +4,7 @@ Each benchmark is read from a local JSONL (plain or gzipped), JSON-array or
 Parquet file; the verl layout (`prompt[0].content`, `reward_model.ground_truth`)
 is understood too. Where the rows come from, in order: an explicit `path` (a
 file, a folder saved by `datasets`' `save_to_disk`, or a Hugging Face dataset
-id, see `epgrpo_jax.catalog`); `<data_dir>/<file>` (or
+id, see `epgrpo_jax.io.catalog`); `<data_dir>/<file>` (or
 `<data_dir>/benchmarks/<file>`, either also as `<file>.gz`); the same under
 `$EPGRPO_DATA_DIR`; the copy shipped with the package (`epgrpo_jax/datasets`);
 the benchmark's usual Hugging Face dataset when the `datasets` library is
@@ -30,12 +30,12 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from epgrpo_jax import catalog
-from epgrpo_jax.errors import MissingFileError, UserError
+from epgrpo_jax.io import catalog
+from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.rewards import extract_boxed
-from epgrpo_jax.rows import get_field, read_rows
+from epgrpo_jax.io.records import get_field, read_rows
 
-log = logging.getLogger("epgrpo_jax.benchmarks")
+log = logging.getLogger("epgrpo_jax.data.evalsets")
 
 DATA_DIR_ENV = "EPGRPO_DATA_DIR"
 

@@ -1,16 +1,16 @@
 """The data shipped with the package, by name, and rows from Hugging Face data sets.
 
 `epgrpo_jax/datasets/` holds gzipped copies of the five evaluation benchmarks
-(`benchmarks/`, read through `epgrpo_jax.benchmarks`) and of the training
+(`benchmarks/`, read through `epgrpo_jax.data.evalsets`) and of the training
 problems of the paper configs (`train/`); its README gives each file's source,
 licence and derivation. A training set is named here (`TRAIN_SETS`); a
-benchmark by its `epgrpo_jax.benchmarks` name. Config fields and command-line
+benchmark by its `epgrpo_jax.data.evalsets` name. Config fields and command-line
 flags that take data accept such a name as well as a path.
 
 A Hugging Face dataset id (`OWNER/NAME`, optionally `:SPLIT`, optionally
 prefixed `hf:`) is read with the optional `datasets` library
 (`pip install 'epgrpo-jax[datasets]'`); a folder written by
-`datasets.Dataset.save_to_disk` is read by `epgrpo_jax.rows.read_rows`.
+`datasets.Dataset.save_to_disk` is read by `epgrpo_jax.io.records.read_rows`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent / "datasets"
+DATA_DIR = Path(__file__).resolve().parents[1] / "datasets"
 DATASETS_HINT = "pip install 'epgrpo-jax[datasets]'"
 
 

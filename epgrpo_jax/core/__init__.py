@@ -1,0 +1,1 @@
+"""Pure functions of the method: the advantage equations, the losses, the optimizer."""

@@ -1,0 +1,1 @@
+"""Training examples, prompts, batches and the evaluation benchmarks."""

@@ -1,0 +1,1 @@
+"""Files, configuration, checkpoints, metrics and the command-line conventions."""

@@ -1,0 +1,1 @@
+"""Hand-written kernels that XLA calls (CPU only)."""

@@ -1,0 +1,1 @@
+"""Plots and the token heat map of runs."""

@@ -1,0 +1,1 @@
+"""The run's configuration, the jitted programs and the RL and SFT loops."""
