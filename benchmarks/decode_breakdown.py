@@ -90,12 +90,12 @@ def parts_only(args) -> None:
 
   from epgrpo_jax.kernels import cpu as cpu_kernels
 
-  from epgrpo_jax.models import load_config
+  from epgrpo_jax.models import load_hf_config
   from epgrpo_jax.rollout.sampling import SamplingConfig, largest_threshold, sample_step
 
   import _common as C
 
-  cfg = load_config(args.model)
+  cfg = load_hf_config(args.model)
   rows, v, d = args.prompts * args.samples, cfg.vocab_size, cfg.hidden_size
   dtype = jnp.dtype(args.dtype)
   key = jax.random.key(0)
@@ -153,7 +153,7 @@ def main():
 
   from epgrpo_jax.rollout import sampling as sampling_module
   from epgrpo_jax.kernels import cpu as cpu_kernels
-  from epgrpo_jax.models import decode_kernel, from_pretrained, load_config
+  from epgrpo_jax.models import decode_kernel, from_pretrained, load_hf_config
   from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
   import _common as C
@@ -161,7 +161,7 @@ def main():
   torch.set_num_threads(args.torch_threads)
   with tempfile.TemporaryDirectory() as d:
     src = args.model or str(C.build_model_dir(d, "bench-tiny", dtype="float32"))
-    cfg = load_config(src)
+    cfg = load_hf_config(src)
     model = from_pretrained(src, dtype=args.dtype, param_dtype=args.dtype)
     hf = Qwen2ForCausalLM.from_pretrained(src, dtype=getattr(torch, args.dtype)).eval()
   graphdef, state = nnx.split(model)

@@ -92,7 +92,7 @@ def main():
   from epgrpo_jax import evaluate
   from epgrpo_jax.data import evalsets
   from epgrpo_jax.data import pipeline
-  from epgrpo_jax.models import load_config, load_tokenizer, stop_token_ids
+  from epgrpo_jax.models import load_hf_config, load_tokenizer, stop_token_ids
   from epgrpo_jax.rewards import RewardConfig, RewardScorer
 
   out = Path(args.out)
@@ -104,7 +104,7 @@ def main():
 
   # The same prompts, rendered and skipped exactly as the evaluation command did.
   tokenizer = load_tokenizer(args.model)
-  cfg = load_config(args.model)
+  cfg = load_hf_config(args.model)
   renderer = pipeline.PromptRenderer(tokenizer, pipeline.DataConfig(prompt_template=evaluate.EVAL_TEMPLATE))
   eos_ids = stop_token_ids(tokenizer, cfg, model_dir=args.model)
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

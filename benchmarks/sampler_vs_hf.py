@@ -109,14 +109,14 @@ def load_models(args, directory: str, dtype: str, device: str):
   import torch
   from transformers import Qwen2ForCausalLM
 
-  from epgrpo_jax.models import from_pretrained, load_config
+  from epgrpo_jax.models import from_pretrained, load_hf_config
 
   import _common as C
 
   src = args.model or str(C.build_model_dir(directory, args.preset, dtype=dtype))
   model = from_pretrained(src, dtype=dtype, param_dtype=dtype)
   hf = Qwen2ForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype)).to(device).eval()
-  return model, hf, load_config(src)
+  return model, hf, load_hf_config(src)
 
 
 def main():

@@ -193,8 +193,8 @@ def main(argv=None):
   tmp = Path(tempfile.mkdtemp(prefix="step_vs_trl-"))
   t0 = time.perf_counter()
   model_dir = C.build_model_dir(tmp / "model", args.preset, dtype=args.dtype)
-  from epgrpo_jax.models import load_config
-  cfg = load_config(model_dir)
+  from epgrpo_jax.models import load_hf_config
+  cfg = load_hf_config(model_dir)
   texts = C.prompt_texts(max(64, 4 * args.prompts), args.prompt_len)
   train_file = C.write_prompts(tmp / "prompts.jsonl", texts)
   print(f"model {args.preset} ({args.dtype}) written in {time.perf_counter() - t0:.1f} s to {model_dir}",

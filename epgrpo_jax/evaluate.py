@@ -530,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
   from epgrpo_jax.data import evalsets
   from epgrpo_jax.data import pipeline
   from epgrpo_jax.io.metrics import Progress
-  from epgrpo_jax.models import check_vocab, load_config, load_tokenizer, stop_token_ids
+  from epgrpo_jax.models import check_vocab, load_hf_config, load_tokenizer, stop_token_ids
   from epgrpo_jax.rewards import RewardConfig
   from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
@@ -548,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
     raise MissingFileError(f"--model {model_dir}: no config.json (not a Hugging Face model "
                             "directory)")
   lora = checkpoint_lora(ref, args.lora_rank, args.lora_alpha) if ref else None
-  context = load_config(model_dir).max_position_embeddings
+  context = load_hf_config(model_dir).max_position_embeddings
   if args.max_new_tokens >= context:
     raise UserError(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in "
                      f"the model's context of {context} tokens (max_position_embeddings)")
@@ -562,7 +562,7 @@ def run(args: argparse.Namespace) -> int:
     load_skips[name] = {k: int(v) for k, v in stats.skipped.items() if v}
 
   tokenizer = load_tokenizer(model_dir)
-  check_vocab(tokenizer, load_config(model_dir), model_dir)
+  check_vocab(tokenizer, load_hf_config(model_dir), model_dir)
   data_cfg = pipeline.DataConfig(
       prompt_template=(args.prompt_template if args.prompt_template is not None
                        else run_data.get("prompt_template") or EVAL_TEMPLATE),

@@ -141,13 +141,13 @@ def test_tokenizer_dir_loads_with_auto_tokenizer(assets):
 # ----------------------------------------------------------------------------- assets
 
 def test_build_assets_layout_and_model(assets):
-  from epgrpo_jax.models import from_pretrained, load_config
+  from epgrpo_jax.models import from_pretrained, load_hf_config
 
   assert assets.root.name.startswith("arithmetic-v1-seed3-")
   for path in (assets.train_file, assets.heldout_file, assets.model_dir / "config.json",
                assets.model_dir / "model.safetensors", assets.model_dir / "tokenizer.json"):
     assert path.exists(), path
-  cfg = load_config(assets.model_dir)
+  cfg = load_hf_config(assets.model_dir)
   raw = json.loads((assets.model_dir / "tokenizer.json").read_text())
   assert cfg.vocab_size == len(raw["model"]["vocab"])
   assert cfg.eos_token_id == raw["model"]["vocab"]["<|im_end|>"]

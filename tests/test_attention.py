@@ -172,13 +172,13 @@ def test_blockwise_backward_temporaries_shrink():
 
 
 def test_training_config_reaches_the_model():
-  from epgrpo_jax.training.config import ModelSection
+  from epgrpo_jax.training.config import ModelRunConfig
   from epgrpo_jax.training.trainer import _with_runtime_options
   model = random_model(tiny_config())
-  section = ModelSection(remat=True, attention="blockwise", attention_block=64)
+  section = ModelRunConfig(remat=True, attention="blockwise", attention_block=64)
   cfg = _with_runtime_options(model, section).cfg
   assert (cfg.remat, cfg.attention, cfg.attention_block) == (True, "blockwise", 64)
   with pytest.raises(ValueError, match="model.attention"):
-    ModelSection(attention="flash")
+    ModelRunConfig(attention="flash")
   with pytest.raises(ValueError, match="model.attention_block"):
-    ModelSection(attention_block=0)
+    ModelRunConfig(attention_block=0)

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from epgrpo_jax.data.evalsets import load_benchmark
 from epgrpo_jax.models._lora import fused, low_rank
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
-                               from_pretrained, hf_state_dict, init_cache, load_config,
+                               from_pretrained, hf_state_dict, init_cache, load_hf_config,
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
                                rope, rope_table, save_pretrained, stop_token_ids, unmerge_lora)
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
@@ -563,7 +563,7 @@ def test_load_tokenizer_errors(tmp_path, qwen_tokenizer_dir):
 def test_tiny_hf_dir_with_tokenizer(tmp_path, qwen_tokenizer_dir):
   directory = tiny_hf_dir(tmp_path, tokenizer=qwen_tokenizer_dir, num_layers=1)
   assert (directory / "tokenizer.json").exists() and (directory / "tokenizer_config.json").exists()
-  cfg = load_config(directory)
+  cfg = load_hf_config(directory)
   assert cfg.vocab_size == 151_936 and cfg.eos_token_id == 151_645
   tok = load_tokenizer(directory)
   assert stop_token_ids(tok, cfg) == (151_643, 151_645)

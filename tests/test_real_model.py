@@ -123,9 +123,9 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def setup():
-  from epgrpo_jax.models import load_tokenizer, stop_token_ids, load_config
+  from epgrpo_jax.models import load_tokenizer, stop_token_ids, load_hf_config
   tok = load_tokenizer(REAL)
-  cfg = load_config(REAL)
+  cfg = load_hf_config(REAL)
   pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
   eos_ids = stop_token_ids(tok, cfg, model_dir=REAL)
   prompts = chat_prompts(REAL)

@@ -6,6 +6,6 @@ from epgrpo_jax.models._lora import BASE, LORA, Linear, lora_layers, merge_lora,
 from epgrpo_jax.models._qwen2 import (Cache, Qwen2, activation_constraint, attend, decode_kernel,
                                      init_cache, rope, rope_cos_sin, rope_table)
 from epgrpo_jax.models._hf_io import (HF_TO_NNX, TOKENIZER_FILES, from_pretrained, hf_state_dict,
-                                      load_config, save_pretrained)
+                                      load_hf_config, save_pretrained)
 from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, check_vocab, encode_prompts, load_tokenizer,
                                           render_prompt, stop_token_ids)

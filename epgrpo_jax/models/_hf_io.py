@@ -85,7 +85,7 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
   raise MissingFileError(f"{directory}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_config(directory: str | Path, **overrides) -> ModelConfig:
+def load_hf_config(directory: str | Path, **overrides) -> ModelConfig:
   path = Path(directory) / "config.json"
   if not path.exists():
     raise MissingFileError(f"{path}: missing (not a Hugging Face model directory)")
@@ -116,7 +116,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
 
   directory = Path(directory)
   overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
-  cfg = load_config(directory, **overrides)
+  cfg = load_hf_config(directory, **overrides)
   files = _tensor_files(directory)
   model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(seed)))
   expected = nnx_to_hf(cfg)

@@ -41,7 +41,7 @@ def _positive(section: str, obj, *names: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSection:
+class ModelRunConfig:
   path: str = EMBEDDED  # a local HF directory, or "embedded" (the built-in tiny model)
   dtype: str = "float32"  # compute dtype: float32 or bfloat16
   param_dtype: str = "float32"  # frozen base weights; trainable weights are always float32
@@ -88,7 +88,7 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainSection:
+class TrainLoopConfig:
   steps: int = 100  # RL steps (one generation batch each)
   prompts_per_step: int = 8  # P, global
   num_generations: int = 8  # G responses per prompt
@@ -136,7 +136,7 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalSection:
+class HeldoutEvalConfig:
   every: int = 0  # RL steps between held-out evaluations (0: only before and after)
   before: bool = True  # evaluate the starting policy
   after: bool = True  # evaluate the final policy
@@ -221,7 +221,7 @@ class EmbeddedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  model: ModelSection = ModelSection()
+  model: ModelRunConfig = ModelRunConfig()
   lora: LoraConfig = LoraConfig()
   data: DataConfig = DataConfig()
   sampling: SamplingConfig = SamplingConfig(max_new_tokens=64)
@@ -229,9 +229,9 @@ class TrainConfig:
   advantage: AdvantageConfig = AdvantageConfig()
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
-  train: TrainSection = TrainSection()
+  train: TrainLoopConfig = TrainLoopConfig()
   dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
-  eval: EvalSection = EvalSection()
+  eval: HeldoutEvalConfig = HeldoutEvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
   mesh: MeshConfig = MeshConfig()

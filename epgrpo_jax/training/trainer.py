@@ -33,7 +33,7 @@ from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.training.config import EMBEDDED, TrainConfig
 from epgrpo_jax.io.errors import RunError, UserError
 from epgrpo_jax.io.metrics import MetricsWriter, Progress
-from epgrpo_jax.models import (check_vocab, from_pretrained, load_config, load_tokenizer, save_pretrained,
+from epgrpo_jax.models import (check_vocab, from_pretrained, load_hf_config, load_tokenizer, save_pretrained,
                                stop_token_ids)
 from epgrpo_jax.parallel.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
@@ -143,7 +143,7 @@ class Trainer:
     if t.prompts_per_step % jax.process_count():
       raise UserError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                        f"{jax.process_count()} processes")
-    model_cfg = load_config(model_dir)
+    model_cfg = load_hf_config(model_dir)
     self.tokenizer = load_tokenizer(model_dir)
     check_vocab(self.tokenizer, model_cfg, model_dir)
     self.renderer = pipeline.PromptRenderer(self.tokenizer, cfg.data)
