@@ -91,7 +91,8 @@ def parts_only(args) -> None:
   from epgrpo_jax.kernels import cpu as cpu_kernels
 
   from epgrpo_jax.models import load_hf_config
-  from epgrpo_jax.rollout.sampling import SamplingConfig, largest_threshold, sample_step
+  from epgrpo_jax.rollout.sampling import SamplingConfig
+  from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
 
   import _common as C
 
@@ -151,7 +152,7 @@ def main():
   from flax import nnx
   from transformers import Qwen2ForCausalLM
 
-  from epgrpo_jax.rollout import sampling as sampling_module
+  from epgrpo_jax.rollout import sampling as sampling_module, strategies
   from epgrpo_jax.kernels import cpu as cpu_kernels
   from epgrpo_jax.models import decode_kernel, from_pretrained, load_hf_config
   from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
@@ -189,7 +190,7 @@ def main():
       "xla attention": lambda: variant(base, mock.patch.object(sampling_module, "decode_kernel",
                                                        lambda fn: decode_kernel(None))),
       "xla threshold": lambda: variant(base, mock.patch.object(cpu_kernels, "largest_threshold",
-                                                       sampling_module.largest_threshold)),
+                                                       strategies.largest_threshold)),
       "no C++": lambda: variant(base.replace(cpu_kernels=False)),
       "rope per step": lambda: variant(base, mock.patch.object(sampling_module, "rope_table",
                                                        lambda cfg, length: None)),

@@ -4,7 +4,7 @@ Runs the evaluation command (greedy, one sample, `--max-new-tokens`) on the
 first `--limit` problems of MATH500 and AMC23 (AMC23 has 40), then the same
 chat-rendered prompts through transformers `generate` (greedy, float32,
 left-padded batches, the same stop ids), scores those completions with our
-reward code (`evaluate.score_completions`), and compares: accuracy per
+reward code (`evaluation.heldout.score_completions`), and compares: accuracy per
 benchmark (goal: within 2 points) and the share of completions whose text is
 identical (goal: >= 90%).
 
@@ -89,9 +89,9 @@ def transformers_completions(args, examples, tokenizer, eos_ids, pad_id) -> list
 
 def main():
   args = parse_args()
-  from epgrpo_jax import evaluate
   from epgrpo_jax.data import evalsets
   from epgrpo_jax.data import pipeline
+  from epgrpo_jax.evaluation import heldout
   from epgrpo_jax.models import load_hf_config, load_tokenizer, stop_token_ids
   from epgrpo_jax.rewards import RewardConfig, RewardScorer
 
@@ -105,7 +105,7 @@ def main():
   # The same prompts, rendered and skipped exactly as the evaluation command did.
   tokenizer = load_tokenizer(args.model)
   cfg = load_hf_config(args.model)
-  renderer = pipeline.PromptRenderer(tokenizer, pipeline.DataConfig(prompt_template=evaluate.EVAL_TEMPLATE))
+  renderer = pipeline.PromptRenderer(tokenizer, pipeline.DataConfig(prompt_template=heldout.EVAL_TEMPLATE))
   eos_ids = stop_token_ids(tokenizer, cfg, model_dir=args.model)
   pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
   report = {"model": args.model, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
@@ -114,10 +114,10 @@ def main():
   with RewardScorer(RewardConfig(timeout_s=5.0)) as scorer:
     for name in BENCHMARKS:
       problems = evalsets.load_benchmark(name, data_dir=args.data_dir, limit=args.limit)
-      examples, _ = evaluate.render_examples(problems, renderer, max_new_tokens=args.max_new_tokens,
-                                             context_tokens=cfg.max_position_embeddings)
+      examples, _ = heldout.render_examples(problems, renderer, max_new_tokens=args.max_new_tokens,
+                                            context_tokens=cfg.max_position_embeddings)
       theirs = transformers_completions(args, examples, tokenizer, eos_ids, pad_id)
-      scored = evaluate.score_completions(examples, [[t] for t in theirs], scorer)
+      scored = heldout.score_completions(examples, [[t] for t in theirs], scorer)
       mine = {r["problem_id"]: r["completion"] for r in records if r["benchmark"] == name}
       same = [mine[e.id] == t for e, t in zip(examples, theirs)]
       acc_ours = results["benchmarks"][name]["accuracy"]

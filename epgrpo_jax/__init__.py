@@ -2,8 +2,10 @@
 
 The public names below (the advantage pipeline, the loss, the configuration,
 sampler and rewards) load on first use. The training loop is
-`epgrpo_jax.training.trainer.train`.
+`epgrpo_jax.training.loop.train`.
 """
+
+import importlib
 
 # Everything loads on first use, so that importing one module (`epgrpo_jax.rewards` in a reward
 # worker, `epgrpo_jax.io.errors`) does not pull in JAX through this file.
@@ -28,6 +30,5 @@ __all__ = list(_LAZY)
 
 def __getattr__(name: str):
   if name in _LAZY:
-    import importlib
     return getattr(importlib.import_module(_LAZY[name]), name)
   raise AttributeError(f"module 'epgrpo_jax' has no attribute {name!r}")

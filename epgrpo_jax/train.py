@@ -9,14 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from epgrpo_jax.io import commandline
+import yaml
+
+from epgrpo_jax.io import commandline, configlib
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.train", description=__doc__.splitlines()[0])
-  p.add_argument("--config", help="YAML config (may name a `base:` file); default configs/default.yaml")
+  p.add_argument("--config", help="YAML config (may name a `base:` file); default: the built-in defaults "
+                 "(configs/default.yaml sets nothing)")
   p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-  p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+  p.add_argument("--print-config", action="store_true",
+                 help="print every key of the resolved config with its value (a valid config file) and exit")
   p.add_argument("overrides", nargs="*", metavar="key=value",
                  help="dotted overrides, e.g. train.steps=100 advantage.entropy_gate=false")
   return p.parse_args(argv)
@@ -28,14 +32,12 @@ def main(argv: list[str] | None = None) -> int:
   commandline.enable_compilation_cache()
 
   def run() -> int:
-    from epgrpo_jax.io import configlib
-    from epgrpo_jax.training.config import load_config
-    from epgrpo_jax.training.trainer import train
+    from epgrpo_jax.training.config import load_config  # JAX after parsing: fast `--help`, usage errors
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-      import yaml
       print(yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
       return 0
+    from epgrpo_jax.training.loop import train  # the trainer only to train: fast `--print-config`
     summary = train(cfg)
     before, after = summary.get("heldout_before"), summary.get("heldout_after")
     if before and after:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from epgrpo_jax.io import catalog
+from epgrpo_jax.rewards import extract_boxed
 from epgrpo_jax.tasks import arithmetic as A
 
 SMALL = dict(train_per_level=40, heldout_per_level=8)
@@ -53,7 +54,7 @@ def test_solutions_are_correct(splits):
     for line in lines[:-1]:
       lhs, rhs = line.split("=")
       assert _value(lhs) == int(rhs), line
-    assert A.extract_boxed(row["solution"]) == row["answer"]
+    assert extract_boxed(row["solution"]) == row["answer"]
     assert A.is_correct(row["solution"], row["answer"])
     spec = A.LEVELS[row["level"]]
     assert all(0 <= int(l.split("=")[1]) <= spec.max_value for l in lines[:-1])
@@ -86,7 +87,7 @@ def test_splits_disjoint_balanced_and_shuffled(splits):
     ("\\boxed{3", None),
 ])
 def test_extract_boxed(text, boxed):
-  assert A.extract_boxed(text) == boxed
+  assert extract_boxed(text) == boxed
 
 
 def test_is_correct_exact_integers():
@@ -178,7 +179,7 @@ def test_killed_build_leaves_no_cache(tmp_path, monkeypatch):
   def boom(*args, **kwargs):
     raise KeyboardInterrupt  # as if killed half-way through writing the model
 
-  monkeypatch.setattr(A, "_save_random_model", boom)
+  monkeypatch.setattr("epgrpo_jax.tasks.arithmetic.assets._save_random_model", boom)
   with pytest.raises(KeyboardInterrupt):
     A.build_assets(tmp_path, seed=1, verbose=False, **SMALL)
   assert list(tmp_path.iterdir()) == []

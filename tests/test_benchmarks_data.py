@@ -16,7 +16,7 @@ Cross-match (the gold of the next row whose gold is a different value scores
 assignment. Minerva 272/272, of which 3 pairs of large symbolic expressions
 (e.g. two differential equations, or a damped-oscillator response against a
 Laplace transform) run out of time inside sympy's simplify and score 0 as
-counted timeouts; without the numeric rule of `rewards._decide`, math-verify
+counted timeouts; without the numeric rule of `rewards.answers._decide`, math-verify
 would also accept row 265's `1.325e-27` for row 264's `2.88e-19` (it rounds
 to 6 decimal places). AMC23, AIME24, AIME25: 100%. The assertion is >= 98%.
 """
@@ -33,6 +33,7 @@ import pytest
 from epgrpo_jax.data import evalsets as B
 from epgrpo_jax.io import catalog
 from epgrpo_jax import rewards as R
+from epgrpo_jax.rewards.answers import _decide
 
 BENCH_DIR = catalog.DATA_DIR / "benchmarks"
 
@@ -253,7 +254,7 @@ def _next_different(golds: list[R.Gold], i: int) -> int:
   cfg = R.RewardConfig()
   j = (i + 1) % len(golds)
   while (golds[j].norm == golds[i].norm
-         or R._decide(R.light_normalise(golds[j].text), golds[i], cfg)):
+         or _decide(R.light_normalise(golds[j].text), golds[i], cfg)):
     j = (j + 1) % len(golds)
   return j
 

@@ -11,19 +11,19 @@ import pytest
 from epgrpo_jax.core.advantages import VARIANTS as ADVANTAGE_VARIANTS
 from epgrpo_jax.io import configlib
 from epgrpo_jax.io.configlib import ConfigError
-from epgrpo_jax.experiments import compare
+from epgrpo_jax.experiments import compare, reporting, variants
 
 
-@pytest.mark.parametrize("variant", compare.VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", variants.VARIANTS, ids=lambda v: v.name)
 def test_variant_configs_resolve_to_their_switches(variant):
-  cfg = compare.variant_config(variant, ["train.steps=7"])
+  cfg = variants.variant_config(variant, ["train.steps=7"])
   want = ADVANTAGE_VARIANTS[variant.advantage]
   assert cfg.advantage.entropy_gate == want["entropy_gate"]
   assert cfg.advantage.progress_signal == want["progress_signal"]
   if want["progress_signal"]:
     assert cfg.advantage.zero_variance_anchor == want["zero_variance_anchor"]
   assert cfg.train.steps == 7
-  default = compare.variant_config(compare.BY_NAME["epgrpo"])
+  default = variants.variant_config(variants.BY_NAME["epgrpo"])
   expected_t = 1.2 if variant.name == "higher_temp" else default.sampling.temperature
   expected_g = 10 if variant.name == "more_rollouts" else default.train.num_generations
   assert cfg.sampling.temperature == expected_t
@@ -59,13 +59,13 @@ RIVAL_OPTIONS = {
 
 def test_variant_config_rejects_wrong_switches():
   with pytest.raises(ConfigError, match="advantage switches"):
-    compare.variant_config(compare.BY_NAME["grpo"], ["advantage.entropy_gate=true"])
+    variants.variant_config(variants.BY_NAME["grpo"], ["advantage.entropy_gate=true"])
 
 
 def test_check_plan_requires_the_same_budget(tmp_path):
   args = compare.parse_args(["--variants", "grpo,eg", "--seeds", "1", "--out", str(tmp_path)])
   plan = compare.make_plan(args)
-  assert len(compare.check_plan(plan)) == 2
+  assert len(variants.check_plan(plan)) == 2
   (tmp_path / "cfg").mkdir()
   for name in ("grpo.yaml", "eg.yaml"):
     text = (compare.CONFIG_DIR / name).read_text()
@@ -77,17 +77,17 @@ def test_check_plan_requires_the_same_budget(tmp_path):
                                                "--out", str(tmp_path), "--config-dir",
                                                str(tmp_path / "cfg")]))
   with pytest.raises(ConfigError, match="train.steps: differs"):
-    compare.check_plan(plan)
+    variants.check_plan(plan)
 
 
 def test_same_sample_budget_row_and_quick_rows(tmp_path):
   plan = compare.make_plan(compare.parse_args(["--variants", "grpo,dapo_dynamic_samples",
                                                "--steps", "5", "--out", str(tmp_path)]))
-  cfgs = compare.check_plan(plan)
+  cfgs = variants.check_plan(plan)
   assert cfgs[("grpo", 1)].train.max_samples == 0
   assert cfgs[("dapo_dynamic_samples", 1)].train.max_samples == 5 * 8 * 8  # steps x P x G
   quick = compare.make_plan(compare.parse_args(["--quick", "--out", str(tmp_path)]))
-  cfgs = compare.check_plan(quick)  # the rival rows' single step is not a budget mismatch
+  cfgs = variants.check_plan(quick)  # the rival rows' single step is not a budget mismatch
   assert {n: c.train.steps for (n, _), c in cfgs.items()} == {
       n: 3 if n in ("grpo", "epgrpo") else 1 for n in compare.QUICK_VARIANTS}
   assert cfgs[("dapo_dynamic_samples", 1)].train.max_samples == 8 * 8
@@ -99,17 +99,17 @@ def test_zero_variance_stats_and_difference():
              {"step": 2, "heldout/accuracy": 0.3},
              {"step": 3, "frac_reward_zero_std": 0.25, "ep/zero_variance_token_frac": 0.2},
              {"step": 3, "frac_reward_zero_std": 0.25, "ep/zero_variance_token_frac": 0.2}]
-  z = compare.zero_variance_stats(compare.step_records(records))
+  z = reporting.zero_variance_stats(reporting.step_records(records))
   assert z["steps_with_zero_variance"] == pytest.approx(2 / 3)
   assert z["zero_variance_group_frac"] == pytest.approx(0.25)
   assert z["zero_variance_token_frac"] == pytest.approx(0.2)
-  a = compare.mean_std([0.5, 0.6, 0.7])
-  b = compare.mean_std([0.1, 0.2, 0.3])
-  d, significant = compare.difference(a, b)
+  a = reporting.mean_std([0.5, 0.6, 0.7])
+  b = reporting.mean_std([0.1, 0.2, 0.3])
+  d, significant = reporting.difference(a, b)
   assert d == pytest.approx(0.4) and significant
-  d, significant = compare.difference(compare.mean_std([0.5]), b)
+  d, significant = reporting.difference(reporting.mean_std([0.5]), b)
   assert significant is None
-  assert compare.mean_std([None, 0.2])["n"] == 1
+  assert reporting.mean_std([None, 0.2])["n"] == 1
 
 
 QUICK_ARGS = ("embedded.sft_steps=10", "embedded.sft_batch_size=8", "train.prompts_per_step=4",
@@ -130,7 +130,7 @@ def test_quick_comparison_writes_report_and_resumes(tmp_path, capsys):
     r = results[name]
     steps = 3 if name in ("grpo", "epgrpo") else 1  # the rival rows: one step in --quick
     assert r["steps"] == steps and r["seed"] == 1
-    for key in compare.EVAL_KEYS:
+    for key in reporting.EVAL_KEYS:
       assert 0.0 <= r["heldout_after"][key] <= 1.0, key
     assert 0.0 <= r["zero_variance"]["steps_with_zero_variance"] <= 1.0
     assert r["logged_steps"] == steps

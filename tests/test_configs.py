@@ -1,9 +1,13 @@
-"""The shipped configs load, the defaults file equals the dataclass defaults, the README runs."""
+"""The shipped configs load, default.yaml and `--print-config` give the dataclass defaults, the README
+runs."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,19 @@ def test_default_file_equals_dataclass_defaults():
   """An empty config and configs/default.yaml are the same run."""
   from_file = configlib.to_dict(load_config(CONFIG_DIR / "default.yaml"))
   assert from_file == configlib.to_dict(TrainConfig())
+
+
+def test_print_config_output_loads_back_to_the_same_config(tmp_path):
+  """`--print-config` prints every key with its value, as a config file that is the same run."""
+  env = dict(os.environ, EPGRPO_COMPILATION_CACHE="")
+  proc = subprocess.run([sys.executable, "-m", "epgrpo_jax.train", "--print-config"], cwd=tmp_path,
+                        capture_output=True, text=True, env=env, timeout=300, check=True)
+  (tmp_path / "printed.yaml").write_text(proc.stdout)
+  printed = load_config(tmp_path / "printed.yaml")
+  assert printed == TrainConfig()
+  assert configlib.to_dict(printed) == configlib.to_dict(TrainConfig())
+  # Every key is printed, with its value (nothing is left to the defaults).
+  assert configlib.load_yaml(tmp_path / "printed.yaml") == configlib.to_dict(TrainConfig())
 
 
 @pytest.mark.parametrize("name", EMBEDDED_CONFIGS)

@@ -20,6 +20,8 @@ import yaml
 from flax import nnx
 
 from epgrpo_jax import evaluate as E
+from epgrpo_jax.evaluation import checkpoints as C
+from epgrpo_jax.evaluation import heldout as H
 from epgrpo_jax.training import programs as steps
 from epgrpo_jax.data.evalsets import DATA_DIR_ENV, get_spec, load_benchmark, shipped_file
 from epgrpo_jax.io.checkpointing import Checkpointer, restore_trainable
@@ -46,7 +48,7 @@ def test_summary_pass_at_k_matches_brute_force():
   for s in (4, 6, 8):
     correct = (rng.random((7, s)) < rng.random((7, 1))).astype(np.float32)
     correct[0], correct[1] = 0, 1  # none and all correct
-    result = E.EvalResult(correct=correct, boxed=np.ones_like(correct), records=[])
+    result = H.EvalResult(correct=correct, boxed=np.ones_like(correct), records=[])
     summary = result.summary()
     assert summary["accuracy"] == pytest.approx(correct.mean())
     for k in (4, 8):
@@ -77,12 +79,12 @@ def test_scoring_layer_on_hand_made_completions():
       "minerva": [[wrong] * 8],  # none
   }
   with RewardScorer(num_workers=0) as scorer:
-    results = {n: E.score_completions([problems[n]], c, scorer) for n, c in completions.items()}
+    results = {n: H.score_completions([problems[n]], c, scorer) for n, c in completions.items()}
   np.testing.assert_array_equal(results["amc23"].correct, [[1, 1, 1, 0, 0, 0, 0, 0]])
   np.testing.assert_array_equal(results["amc23"].boxed, [[1, 1, 1, 1, 1, 1, 1, 0]])
-  ks = E.table_ks(8)
+  ks = H.table_ks(8)
   assert ks == (4, 8)
-  metrics = {n: E.benchmark_metrics(r, ks=ks) for n, r in results.items()}
+  metrics = {n: H.benchmark_metrics(r, ks=ks) for n, r in results.items()}
   pass4 = lambda c: 1 - math.comb(8 - c, 4) / math.comb(8, 4)
   expected = {"amc23": (3 / 8, 7 / 8, pass4(3), 1.0), "aime24": (1 / 8, 1.0, pass4(1), 1.0),
               "minerva": (0.0, 1.0, 0.0, 0.0)}
@@ -96,10 +98,10 @@ def test_scoring_layer_on_hand_made_completions():
   assert record == {"problem_id": aime.id, "sample": 7, "completion": right(aime),
                     "extracted": aime.answer, "gold": aime.answer, "correct": True,
                     "boxed": True, "status": "fast"}
-  average = E.average_metrics(metrics, ks)
+  average = H.average_metrics(metrics, ks)
   assert average["accuracy"] == pytest.approx((3 / 8 + 1 / 8 + 0) / 3)
   assert average["pass@4"] == pytest.approx((pass4(3) + pass4(1)) / 3)
-  table = E.markdown_table(metrics, average, ks).splitlines()
+  table = H.markdown_table(metrics, average, ks).splitlines()
   assert table[0] == "| Benchmark | Acc | Fmt | pass@4 | pass@8 | Problems | Skipped |"
   assert table[2] == f"| amc23 | 37.50 | 87.50 | {100 * pass4(3):.2f} | 100.00 | 1 | 0 |"
   assert table[4] == "| minerva | 0.00 | 100.00 | 0.00 | 0.00 | 1 | 0 |"
@@ -107,37 +109,37 @@ def test_scoring_layer_on_hand_made_completions():
 
 
 def test_table_reports_skipped_and_empty_benchmarks():
-  result = E.EvalResult(correct=np.array([[1.0, 0.0]]), boxed=np.array([[1.0, 1.0]]), records=[])
-  metrics = {"a": E.benchmark_metrics(result, {"exceeds_context": 2}, ks=(4,)),
-             "b": E.benchmark_metrics(None, {"prompt_too_long": 3}, ks=(4,))}
+  result = H.EvalResult(correct=np.array([[1.0, 0.0]]), boxed=np.array([[1.0, 1.0]]), records=[])
+  metrics = {"a": H.benchmark_metrics(result, {"exceeds_context": 2}, ks=(4,)),
+             "b": H.benchmark_metrics(None, {"prompt_too_long": 3}, ks=(4,))}
   assert metrics["a"]["pass@4"] is None  # 2 samples: no pass@4
   assert metrics["b"]["accuracy"] is None
   assert metrics["b"]["skipped_reasons"] == {"prompt_too_long": 3}
-  average = E.average_metrics(metrics, (4,))
+  average = H.average_metrics(metrics, (4,))
   assert (average["accuracy"], average["problems"], average["skipped"]) == (0.5, 1, 5)
-  table = E.markdown_table(metrics, average, (4,)).splitlines()
+  table = H.markdown_table(metrics, average, (4,)).splitlines()
   assert table[2:] == ["| a | 50.00 | 100.00 | – | 1 | 2 |", "| b | – | – | – | 0 | 3 |",
                        "| Average | 50.00 | 100.00 | – | 1 | 5 |"]
-  assert E.skip_note(metrics, 4096, 300, 16) == (
+  assert H.skip_note(metrics, 4096, 300, 16) == (
       "Skipped prompts (not scored): a exceeds_context=2; b prompt_too_long=3 (model context "
       "4096 tokens, 16 kept for the completion, --max-prompt-tokens 300).")
-  assert E.skip_note({"a": E.benchmark_metrics(result)}, 4096, 0, 16) == ""
+  assert H.skip_note({"a": H.benchmark_metrics(result)}, 4096, 0, 16) == ""
 
 
 def test_long_prompts_are_skipped_and_counted(qwen_tokenizer_dir):
   from epgrpo_jax.data.pipeline import DataConfig, PromptRenderer
   from epgrpo_jax.models import load_tokenizer
   renderer = PromptRenderer(load_tokenizer(qwen_tokenizer_dir),
-                            DataConfig(prompt_template=E.EVAL_TEMPLATE))
+                            DataConfig(prompt_template=H.EVAL_TEMPLATE))
   assert renderer.text("P").endswith("within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
   problems = load_benchmark("aime25", limit=10)
   lengths = [len(renderer.ids(p.problem)) for p in problems]
   cut = sorted(lengths)[5]
-  examples, skipped = E.render_examples(problems, renderer, max_new_tokens=16,
+  examples, skipped = H.render_examples(problems, renderer, max_new_tokens=16,
                                         context_tokens=10_000, max_prompt_tokens=cut)
   assert len(examples) == sum(n <= cut for n in lengths) and skipped == {
       "prompt_too_long": sum(n > cut for n in lengths)}
-  examples, skipped = E.render_examples(problems, renderer, max_new_tokens=100,
+  examples, skipped = H.render_examples(problems, renderer, max_new_tokens=100,
                                         context_tokens=cut + 100)
   assert skipped == {"exceeds_context": sum(n > cut for n in lengths)}
   assert [e.id for e in examples] == [p.id for p, n in zip(problems, lengths) if n <= cut]
@@ -194,12 +196,12 @@ def lora_run(tmp_path_factory):
 def test_restore_lora_checkpoint(lora_run):
   model_dir, run_dir, saved = lora_run
   for where in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "7"):
-    ref = E.resolve_checkpoint(where)
+    ref = C.resolve_checkpoint(where)
     assert (ref.step, ref.run_dir, ref.full_finetune) == (7, run_dir, False)
     assert (ref.lora_rank, ref.lora_targets) == (4, ("q", "v", "up"))
-  assert E.resolve_checkpoint(run_dir / "checkpoints" / "3").step == 3
-  assert E.checkpoint_lora(ref, None, None) == LORA
-  restored = E.load_policy(model_dir, checkpoint=ref, lora=LORA)
+  assert C.resolve_checkpoint(run_dir / "checkpoints" / "3").step == 3
+  assert C.checkpoint_lora(ref, None, None) == LORA
+  restored = C.load_policy(model_dir, checkpoint=ref, lora=LORA)
   # The reference: the base model with the saved adapters, not merged.
   expected = from_pretrained(model_dir, lora=LORA)
   graphdef, _, rest = nnx.split(expected, nnx.LoRAParam, ...)
@@ -231,13 +233,13 @@ def test_lora_settings_without_run_config(lora_run, tmp_path):
   bare = tmp_path / "bare"
   (bare / "checkpoints").mkdir(parents=True)
   os.symlink(run_dir / "checkpoints" / "7", bare / "checkpoints" / "7")
-  ref = E.resolve_checkpoint(bare)
+  ref = C.resolve_checkpoint(bare)
   assert ref.run_config is None
   with pytest.raises(ValueError, match="--lora-alpha"):
-    E.checkpoint_lora(ref, None, None)
-  assert E.checkpoint_lora(ref, None, 8.0) == LORA  # rank and targets from the saved shapes
+    C.checkpoint_lora(ref, None, None)
+  assert C.checkpoint_lora(ref, None, 8.0) == LORA  # rank and targets from the saved shapes
   with pytest.raises(ValueError, match="rank 4"):
-    E.checkpoint_lora(ref, 8, 8.0)
+    C.checkpoint_lora(ref, 8, 8.0)
 
 
 def test_restore_full_finetune_checkpoint(tmp_path):
@@ -245,9 +247,9 @@ def test_restore_full_finetune_checkpoint(tmp_path):
   model = from_pretrained(model_dir)
   saved = save_run(tmp_path / "run", model, full=True, steps_to_save=(5,),
                    config={"model": {"full_finetune": True}, "lora": {"rank": 32, "alpha": 64}})
-  ref = E.resolve_checkpoint(tmp_path / "run")
-  assert ref.full_finetune and E.checkpoint_lora(ref, None, None) is None
-  restored = E.load_policy(model_dir, checkpoint=ref)
+  ref = C.resolve_checkpoint(tmp_path / "run")
+  assert ref.full_finetune and C.checkpoint_lora(ref, None, None) is None
+  restored = C.load_policy(model_dir, checkpoint=ref)
   got = nnx.split(restored, nnx.Param, ...)[1]
   assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), got, saved))
 

@@ -316,7 +316,7 @@ def test_sample_records_hold_every_per_token_quantity():
   from epgrpo_jax.core import advantages
   from epgrpo_jax.data import pipeline as data
   from epgrpo_jax.training import programs as steps
-  from epgrpo_jax.training.trainer import sample_records
+  from epgrpo_jax.training.rollouts import sample_records
 
   rng = np.random.default_rng(0)
   P, G, T = 3, 4, 6
@@ -362,7 +362,7 @@ def smoke_run(task, tmp_path_factory):
   """Two RL steps of the tiny config, samples dumped every step, pass@4 in held-out eval."""
   from test_trainer import tiny_config
 
-  from epgrpo_jax.training.trainer import train
+  from epgrpo_jax.training.loop import train
   run_dir = tmp_path_factory.mktemp("obs") / "run"
   train(tiny_config(task, run_dir, "logging.samples_every=1", "logging.samples_count=2",
                     "eval.samples=4"))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from epgrpo_jax.data import pipeline as data
-from epgrpo_jax.evaluate import load_policy
+from epgrpo_jax.evaluation.checkpoints import load_policy
 from epgrpo_jax.experiments import perturb
 from epgrpo_jax.models import load_tokenizer, stop_token_ids
 from epgrpo_jax.rewards import RewardScorer, parse_gold

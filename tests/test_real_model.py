@@ -48,13 +48,13 @@ SMOKE_CONFIG = ROOT / "configs" / "qwen2.5-0.5b-real-smoke.yaml"
 
 def chat_prompts(model_dir: str | Path, n: int = NUM_PROMPTS) -> list[list[int]]:
   """Token ids of the first `n` MATH500 problems, chat-rendered as `evaluate` renders them."""
-  from epgrpo_jax import evaluate
   from epgrpo_jax.data import evalsets as benchmarks
   from epgrpo_jax.data import pipeline as data
+  from epgrpo_jax.evaluation.heldout import EVAL_TEMPLATE
   from epgrpo_jax.models import load_tokenizer
   problems = benchmarks.load_benchmark("math500", PROMPTS_FILE, limit=n)
   renderer = data.PromptRenderer(load_tokenizer(model_dir),
-                                 data.DataConfig(prompt_template=evaluate.EVAL_TEMPLATE))
+                                 data.DataConfig(prompt_template=EVAL_TEMPLATE))
   return [renderer.ids(p.problem) for p in problems]
 
 

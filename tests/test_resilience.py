@@ -28,6 +28,7 @@ from safetensors.numpy import load_file
 
 from epgrpo_jax import train as train_cli
 from epgrpo_jax.data import pipeline as data
+from epgrpo_jax.training import loop as loop_mod
 from epgrpo_jax.training import trainer as trainer_mod
 from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.tasks import arithmetic
@@ -321,7 +322,7 @@ def test_nan_gradient_skips_the_update_and_repeated_ones_stop_the_run(task, tmp_
                                                                         monkeypatch):
   _, root = task
   monkeypatch.syspath_prepend(str(root))
-  monkeypatch.setattr(trainer_mod, "Trainer", FaultyTrainer)
+  monkeypatch.setattr(loop_mod, "Trainer", FaultyTrainer)
   run_dir = tmp_path / "run"
   code = train_cli.main(overrides(task, run_dir, "train.steps=8", "train.max_consecutive_skips=2",
                                   "checkpoint.keep=10"))

@@ -316,7 +316,7 @@ def test_mismatched_lengths(scorer):
 
 
 def test_module_is_import_light():
-  """Loaded on its own (as the workers load it), rewards.py imports neither
+  """Loaded on its own (as the workers load it), the rewards package imports neither
   JAX nor sympy/math-verify."""
   path = Path(R.__file__).resolve()
   code = ("import importlib.util, sys\n"

@@ -15,8 +15,9 @@ from epgrpo_jax.training.config import TrainConfig
 from epgrpo_jax.core.losses import (LossConfig, high_entropy_mask, masked_quantile, policy_loss,
                                sequence_log_ratio)
 from epgrpo_jax.rewards import RewardResult, overlong_penalty
-from epgrpo_jax.training.trainer import (SampledRound, Trainer, group_has_signal, merge_rewards,
-                                merge_rounds, select_groups, truncated_rows)
+from epgrpo_jax.training.rollouts import (SampledRound, group_has_signal, merge_rewards, merge_rounds,
+                                          select_groups, truncated_rows)
+from epgrpo_jax.training.trainer import Trainer
 
 from helpers import Events, arithmetic_task, rl_step_config
 

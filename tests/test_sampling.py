@@ -12,9 +12,10 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from epgrpo_jax.rollout import sampling
+from epgrpo_jax.rollout import sampling, strategies
 from epgrpo_jax.models import LORA, LoraConfig, Qwen2, lora_layers, preset
-from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig, bucket, sample_step
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig, bucket
+from epgrpo_jax.rollout.strategies import sample_step
 
 # ---------------------------------------------------------------------------
 # References: a full sort per row, the documented tie rule.
@@ -40,7 +41,7 @@ def ref_top_p(p_V: np.ndarray, top_p: float):
 
 def softmax_np(x):
   """The library's softmax form, so probabilities are bit-identical."""
-  return np.asarray(sampling._softmax(jnp.asarray(x, jnp.float32)))
+  return np.asarray(strategies._softmax(jnp.asarray(x, jnp.float32)))
 
 
 def ref_distribution(logits_V, temperature, top_k, top_p):
@@ -93,7 +94,7 @@ def test_config_validation():
 def test_top_p_mask_equals_full_sort(top_p):
   logits = random_logits(1, 512, 64)
   probs = softmax_np(logits)
-  got = np.asarray(jax.jit(sampling.top_p_mask, static_argnums=1)(jnp.asarray(probs), top_p))
+  got = np.asarray(jax.jit(strategies.top_p_mask, static_argnums=1)(jnp.asarray(probs), top_p))
   checked = 0
   for row in range(len(probs)):
     want, ambiguous = ref_top_p(probs[row], top_p)
@@ -106,7 +107,7 @@ def test_top_p_mask_equals_full_sort(top_p):
 @pytest.mark.parametrize("k", [1, 3, 20])
 def test_top_k_mask_equals_full_sort(k):
   logits = random_logits(2, 256, 64)
-  got = np.asarray(jax.jit(sampling.top_k_mask, static_argnums=1)(jnp.asarray(logits), k))
+  got = np.asarray(jax.jit(strategies.top_k_mask, static_argnums=1)(jnp.asarray(logits), k))
   want = np.stack([ref_top_k(row, k) for row in logits])
   np.testing.assert_array_equal(got, want)
   assert (got.sum(-1) > k).any()  # some rows do tie at the k-th logit
@@ -119,15 +120,15 @@ def test_top_k_mask_over_logits_of_both_signs():
   logits = np.concatenate([x, np.round(x / 4) * 4])  # the second half with many ties
   assert (logits.min(-1) < -4).all() and (logits.max(-1) > 4).all()
   for k in (1, 5):
-    got = np.asarray(jax.jit(sampling.top_k_mask, static_argnums=1)(jnp.asarray(logits), k))
+    got = np.asarray(jax.jit(strategies.top_k_mask, static_argnums=1)(jnp.asarray(logits), k))
     np.testing.assert_array_equal(got, np.stack([ref_top_k(row, k) for row in logits]))
   extremes = jnp.asarray([[-3e38, -1.0, 0.0, 2.0, 3e38, 5.0]], jnp.float32)
-  np.testing.assert_array_equal(sampling.top_k_mask(extremes, 2), [[0, 0, 0, 0, 1, 1]])
+  np.testing.assert_array_equal(strategies.top_k_mask(extremes, 2), [[0, 0, 0, 0, 1, 1]])
 
 
 def test_top_k_then_top_p_equals_full_sort():
   logits = random_logits(3, 256, 64)
-  got = np.asarray(jax.jit(lambda x: sampling.truncate(x, 10, 0.8))(jnp.asarray(logits)))
+  got = np.asarray(jax.jit(lambda x: strategies.truncate(x, 10, 0.8))(jnp.asarray(logits)))
   for row in range(len(logits)):
     keep = ref_top_k(logits[row], 10)
     p = softmax_np(np.where(keep, logits[row], -np.inf)[None])[0]
@@ -170,7 +171,7 @@ def test_sampling_frequencies_match_truncated_distribution(logits, cfg, kept):
 def test_categorical_never_draws_zero_weight():
   w = np.zeros((4096, 100), np.float32)
   w[:, [0, 37, 99]] = [1e-30, 0.5, 0.25]
-  tokens = np.asarray(jax.jit(sampling.categorical)(jax.random.key(0), jnp.asarray(w)))
+  tokens = np.asarray(jax.jit(strategies.categorical)(jax.random.key(0), jnp.asarray(w)))
   assert set(np.unique(tokens)) <= {0, 37, 99}
   assert abs((tokens == 37).mean() - 2 / 3) < 0.03
 
@@ -452,7 +453,7 @@ class TestCpuLargestThreshold(chex.TestCase):
     for k in (1, 3, 20, 61):
       target = jnp.full((96,), k, jnp.float32)
       got = kernel(logits, jnp.ones_like(logits), target)
-      np.testing.assert_array_equal(got, sampling.largest_threshold(logits, jnp.ones_like(logits), target))
+      np.testing.assert_array_equal(got, strategies.largest_threshold(logits, jnp.ones_like(logits), target))
       np.testing.assert_array_equal(np.asarray(logits) >= np.asarray(got)[:, None],
                                     np.stack([ref_top_k(row, k) for row in np.asarray(logits)]))
 
@@ -464,7 +465,7 @@ class TestCpuLargestThreshold(chex.TestCase):
     for top_p in (0.3, 0.9, 0.999):
       target = jnp.full((256,), top_p, jnp.float32)
       got = np.asarray(kernel(jnp.asarray(probs), jnp.asarray(probs), target))
-      xla = np.asarray(sampling.largest_threshold(jnp.asarray(probs), jnp.asarray(probs), target))
+      xla = np.asarray(strategies.largest_threshold(jnp.asarray(probs), jnp.asarray(probs), target))
       checked = 0
       for row in range(len(probs)):
         want, ambiguous = ref_top_p(probs[row], top_p)
@@ -487,7 +488,7 @@ class TestCpuLargestThreshold(chex.TestCase):
     for k in (1, 2, 3, 4):
       target = jnp.full((2,), k, jnp.float32)
       got = cpu_kernels.largest_threshold(values, jnp.ones_like(values), target)
-      np.testing.assert_array_equal(got, sampling.largest_threshold(values, jnp.ones_like(values), target))
+      np.testing.assert_array_equal(got, strategies.largest_threshold(values, jnp.ones_like(values), target))
 
 
 def uses_cpu_kernel(sampler: Sampler) -> bool:

@@ -12,7 +12,8 @@ import pytest
 
 from epgrpo_jax.training import programs as steps
 from epgrpo_jax.training.config import TrainConfig
-from epgrpo_jax.training.trainer import Trainer, train
+from epgrpo_jax.training.loop import train
+from epgrpo_jax.training.trainer import Trainer
 from epgrpo_jax.tasks import arithmetic
 
 

@@ -57,7 +57,7 @@ class AdvantageConfig:
   delta: float = 1e-4  # outcome-advantage stabiliser (eq. 3)
   std_ddof: int = 1  # Bessel-corrected reward std, as TRL
   zero_std_tol: float = 1e-6  # std(r) below this is "zero variance"
-  entropy_gate: bool = True
+  entropy_gate: bool = True  # the three switches of Table IV; all false is GRPO
   progress_signal: bool = True
   zero_variance_anchor: bool = True
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import grain
 
+from epgrpo_jax.data import evalsets
 from epgrpo_jax.io import catalog
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.models import render_prompt
@@ -46,11 +47,11 @@ class DataConfig:
   problem_field: str = "problem"
   answer_field: str = "answer"
   id_field: str = ""
-  prompt_template: str = MATH_TEMPLATE  # user message; must contain {problem}
+  prompt_template: str = MATH_TEMPLATE  # user message with {problem}; the embedded task uses "{problem}"
   use_chat_template: bool = True  # wrap the user message in the tokenizer's chat template
   system_prompt: str = ""  # empty: the chat template's default
   max_prompt_tokens: int = 512
-  heldout_limit: int = 0  # 0: every held-out problem
+  heldout_limit: int = 0  # 0: every held-out problem (the embedded task: embedded.heldout_problems)
   shuffle: bool = True
 
   def __post_init__(self):
@@ -86,15 +87,13 @@ class Source:
 
 
 def _names() -> str:
-  from epgrpo_jax.data.evalsets import BENCHMARKS
-  return ", ".join([*catalog.TRAIN_SETS, *BENCHMARKS])
+  return ", ".join([*catalog.TRAIN_SETS, *evalsets.BENCHMARKS])
 
 
 def resolve_source(value: str | Path, field: str = "data.train_files") -> Source:
   """What `value` names: an existing file or saved `datasets` folder, else a shipped data set's
   name, else a Hugging Face dataset id (with the `datasets` library); otherwise a one-line
   `ValueError` that names `field`."""
-  from epgrpo_jax.data import evalsets
   text = str(value)
   split = DEFAULT_SPLIT.get(field, "train")
   path = Path(text).expanduser()
@@ -126,7 +125,6 @@ def source_rows(src: Source,
                 skips: collections.Counter) -> tuple[list[Any], tuple[str, ...] | None, str]:
   """(rows, (problem, answer, id) fields or None for the config's, source label) of `src`."""
   if src.kind == "benchmark":
-    from epgrpo_jax.data import evalsets
     problems, stats = evalsets.load_benchmark_with_stats(src.name)
     skips.update(stats.skipped)
     rows = [{"problem": p.problem, "answer": p.answer, "id": p.id} for p in problems]

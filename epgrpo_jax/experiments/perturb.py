@@ -9,7 +9,7 @@ Protocol (each step is exactly what the code does):
 1. Problems: the first `--problems` of the held-out set `pipeline.heldout_file`,
    rendered as in training (`pipeline.PromptRenderer`). The config is `--config`,
    else the run's `config.yaml` next to `--model` (a run's `policy/` directory),
-   else configs/default.yaml (for the embedded task: its held-out split).
+   else the default config (for the embedded task: its held-out split).
 2. Responses: `--samples` completions per problem from the model at
    `--temperature` (no top-k / top-p), up to `sampling.max_new_tokens` tokens.
    Kept: those the training reward marks correct *and* that ended with a stop
@@ -51,10 +51,20 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
-from epgrpo_jax.io import commandline
+from epgrpo_jax.data import pipeline
+from epgrpo_jax.evaluation.checkpoints import load_policy
+from epgrpo_jax.io import commandline, configlib
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.models import load_tokenizer, stop_token_ids
+from epgrpo_jax.parallel.distributed import to_host
+from epgrpo_jax.rewards import RewardScorer, parse_gold
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+from epgrpo_jax.training.config import TrainConfig, load_config
+from epgrpo_jax.training.embedded import resolve_embedded
+from epgrpo_jax.training.trainer import answer_parses
 
 CONDITIONS = ("high", "low", "random")
 PAPER_RATIO = 3.5  # Fig 2(a): drop(high) / drop(low) on Qwen2.5 and MATH
@@ -121,9 +131,6 @@ def _padded_batches(items: Sequence[Any], size: int):
 def sample_correct(sampler, params, examples, golds, tokenizer, scorer, *, samples: int, key,
                    prompts_per_batch: int, max_responses: int) -> tuple[list[Response], dict]:
   """Step 2: correct, finished sampled responses with their token entropies."""
-  import jax
-
-  from epgrpo_jax.parallel.distributed import to_host
   eos = np.asarray(sampler.eos_ids or (-1,))
   kept: list[Response] = []
   counts = {"sampled": 0, "correct": 0, "correct_unfinished": 0}
@@ -153,9 +160,6 @@ def continue_and_score(sampler, params, examples, golds, tokenizer, scorer,
                        items: Sequence[tuple[int, np.ndarray]], *, continuations: int, key,
                        prompts_per_batch: int, max_total: int) -> np.ndarray:
   """Steps 5-6: correctness [items, continuations] of prefix + sampled continuation."""
-  import jax
-
-  from epgrpo_jax.parallel.distributed import to_host
   correct = np.zeros((len(items), continuations), np.float32)
   for lo, n, batch in _padded_batches(items, prompts_per_batch):
     key, sub = jax.random.split(key)
@@ -181,8 +185,6 @@ def perturbation_test(sampler, params, examples, golds, tokenizer, scorer,
                       prompts_per_batch: int = 32,
                       conditions: Sequence[str] = CONDITIONS) -> dict[str, Any]:
   """Steps 3-6 on given correct responses; per-condition drop, its error, and per-response rows."""
-  import jax
-
   out: dict[str, Any] = {"conditions": {}, "responses": []}
   rows = [{"problem": r.problem, "length": int(len(r.tokens))} for r in responses]
   for name in conditions:
@@ -240,7 +242,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          description=__doc__.splitlines()[0])
   p.add_argument("--model", required=True, help="HF model directory (e.g. RUN/policy)")
   p.add_argument("--config", help="config for the data and prompt (default: RUN/config.yaml "
-                 "next to --model, else configs/default.yaml)")
+                 "next to --model, else the default config)")
   p.add_argument("--problems", type=int, default=64, help="held-out problems to sample")
   p.add_argument("--samples", type=int, default=8, help="samples per problem")
   p.add_argument("--max-responses", type=int, default=256, help="correct responses to perturb")
@@ -264,9 +266,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace, model_dir: Path):
-  from epgrpo_jax.io import configlib
-  from epgrpo_jax.training.config import TrainConfig, load_config
-  from epgrpo_jax.training.trainer import resolve_embedded
   run_config = model_dir.parent / "config.yaml"
   if args.config is None and run_config.is_file():
     cfg = configlib.load(TrainConfig, run_config, args.overrides)
@@ -285,15 +284,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   commandline.enable_compilation_cache()
 
   def run() -> int:
-    import jax
-
-    from epgrpo_jax.data import pipeline
-    from epgrpo_jax.evaluate import load_policy
-    from epgrpo_jax.models import load_tokenizer, stop_token_ids
-    from epgrpo_jax.rewards import RewardScorer, parse_gold
-    from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
-    from epgrpo_jax.training.trainer import answer_parses
-
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
       raise UserError(f"--model: no config.json in {model_dir}")

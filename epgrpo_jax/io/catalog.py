@@ -88,7 +88,7 @@ def hf_rows(dataset_id: str, split: str) -> list[dict[str, Any]]:
   if not has_datasets():
     raise ModuleNotFoundError(f"{dataset_id}: reading a Hugging Face dataset needs the optional "
                               f"`datasets` library ({DATASETS_HINT})")
-  import datasets
+  import datasets  # optional dependency (checked above)
   return list(datasets.load_dataset(dataset_id, split=split))
 
 

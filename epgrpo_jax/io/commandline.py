@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Callable
 
 from epgrpo_jax.io.errors import RunError, UserError
@@ -35,13 +37,11 @@ def enable_compilation_cache() -> None:
   The directory is `$EPGRPO_COMPILATION_CACHE` (default ~/.cache/epgrpo_jax/xla); set it to
   an empty string to disable.
   """
-  import os
-  from pathlib import Path
   path = os.environ.get("EPGRPO_COMPILATION_CACHE",
                         str(Path.home() / ".cache" / "epgrpo_jax" / "xla"))
   if not path:
     return
-  import jax
+  import jax  # every command and tool imports this module; JAX only where a command runs
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 

@@ -17,6 +17,7 @@ import lzma
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from epgrpo_jax.io import catalog
 from epgrpo_jax.io.errors import MissingFileError, UserError
 
 log = logging.getLogger("epgrpo_jax.io.records")
@@ -80,7 +81,6 @@ def check_saved_dataset(path: str | Path, what: str) -> None:
   if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
     raise UserError(f"{what}: {path} is a folder, but not a data set saved with datasets' "
                      f"save_to_disk")
-  from epgrpo_jax.io import catalog
   if not catalog.has_datasets():
     raise UserError(f"{what}: reading the saved data set {path} needs the optional `datasets` "
                      f"library ({catalog.DATASETS_HINT})")
@@ -91,7 +91,7 @@ def saved_dataset_rows(path: str | Path, split: str | None = None) -> list[Any]:
   its split `split` (its only split when it has one and `split` is not among them)."""
   path = Path(path)
   check_saved_dataset(path, str(path))
-  import datasets
+  import datasets  # optional dependency (checked above)
   ds = datasets.load_from_disk(str(path))
   if isinstance(ds, datasets.DatasetDict):
     splits = list(ds)
@@ -114,7 +114,7 @@ def read_rows(path: str | Path, skipped: collections.Counter | None = None,
   if not path.is_file():
     raise MissingFileError(f"{path}: file not found")
   if path.suffix.lower() == ".parquet":
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # 0.3 s to import, only for Parquet files (records loads everywhere)
     try:
       return pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises several types

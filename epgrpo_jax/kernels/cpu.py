@@ -5,7 +5,7 @@
 every cache slot, including the ones not yet written; the kernel reads only the
 slots up to the current one, a prompt's slots once for its G rows, and shares
 the rows over XLA's intra-op threads. `largest_threshold`: the top-k / top-p
-bisection of `sampling.largest_threshold`, one vectorised sweep of a row per
+bisection of `strategies.largest_threshold`, one vectorised sweep of a row per
 step instead of a dozen single-threaded XLA loop iterations over the batch.
 `cpu.cc` is compiled with the system's C++
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
@@ -112,7 +112,7 @@ def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, li
 
 
 def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: jax.Array) -> jax.Array:
-  """`sampling.largest_threshold` in C++ (masses summed in float64); call `available()` first."""
+  """`strategies.largest_threshold` in C++ (masses summed in float64); call `available()` first."""
   out = jax.ShapeDtypeStruct(values_BxV.shape[:1], jnp.float32)
   return jax.ffi.ffi_call("epgrpo_largest_threshold", out)(
       values_BxV.astype(jnp.float32), weights_BxV.astype(jnp.float32), target_B.astype(jnp.float32))

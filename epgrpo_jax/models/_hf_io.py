@@ -7,6 +7,7 @@ target sharding; saving folds LoRA adapters into the base weights.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -17,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.parallel import distributed, sharding
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear
 from epgrpo_jax.models._qwen2 import Qwen2
@@ -112,8 +115,6 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
   float32). LoRA adapters, when requested, are freshly initialised (B = 0).
   With a mesh, each tensor goes straight to its sharding from `epgrpo_jax.parallel.sharding`.
   """
-  from epgrpo_jax.parallel import sharding  # layered above models; imported lazily
-
   directory = Path(directory)
   overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
   cfg = load_hf_config(directory, **overrides)
@@ -152,7 +153,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
       if tuple(array.shape) != tuple(var.shape):
         raise UserError(f"{fname}: tensor {name!r} has shape {tuple(array.shape)}, "
                          f"config.json implies {tuple(var.shape)}")
-      var.set_value(_place(np.asarray(array).astype(pdt), path, mesh, sharding))
+      var.set_value(_place(np.asarray(array).astype(pdt), path, mesh))
   finally:
     for h in handles.values():
       h.__exit__(None, None, None)
@@ -168,21 +169,20 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
       init = np.zeros(var.shape, np.float32)
     else:
       continue
-    var.set_value(_place(init, path, mesh, sharding))
+    var.set_value(_place(init, path, mesh))
   return model
 
 
-def _place(array, path: str, mesh, sharding_mod):
+def _place(array, path: str, mesh):
   if mesh is None:
     return jnp.asarray(array)
-  from epgrpo_jax.parallel import distributed  # every process holds the whole tensor: no collective
-  return distributed.put(array, sharding_mod.param_sharding(path, array.shape, mesh))
+  # Every process holds the whole tensor: no collective.
+  return distributed.put(array, sharding.param_sharding(path, array.shape, mesh))
 
 
 def _to_host(array) -> np.ndarray:
   """The full value of a (possibly multi-process sharded) array as numpy."""
   if isinstance(array, jax.Array) and not array.is_fully_addressable:
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
   return np.asarray(jax.device_get(array))
 
@@ -192,10 +192,23 @@ def _weight_files(directory: Path) -> list[Path]:
                             *directory.glob("model-*-of-*.safetensors")] if path.is_file()]
 
 
+def _exchange(a: Path, b: Path) -> bool:
+  """Swaps two directory entries in one atomic step (Linux renameat2 RENAME_EXCHANGE); False
+  where the system or file system cannot."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd, rename_exchange = -100, 2
+    return libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+  except (AttributeError, OSError):
+    return False
+
+
 def _swap_in(new: Path, directory: Path) -> None:
   """Replaces `directory` by the complete directory `new`. Earlier weights go (a stale index or
   single file must not shadow the new ones); any other file of the old directory that `new`
-  lacks moves across, so nothing else in it is lost."""
+  lacks is copied across, so nothing else in it is lost. The two directories trade places in
+  one atomic step where the system allows it, so an interruption at any point leaves either
+  the old directory or the new one, whole."""
   if not directory.exists():
     os.replace(new, directory)
     return
@@ -204,9 +217,15 @@ def _swap_in(new: Path, directory: Path) -> None:
   stale = {path.name for path in _weight_files(directory)}
   for entry in directory.iterdir():
     if entry.name not in stale and not (new / entry.name).exists():
-      os.replace(entry, new / entry.name)
+      if entry.is_dir():
+        shutil.copytree(entry, new / entry.name, symlinks=True)
+      else:
+        shutil.copy2(entry, new / entry.name, follow_symlinks=False)
+  if _exchange(new, directory):
+    shutil.rmtree(new)  # now the old directory
+    return
   old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-  os.replace(directory, old)
+  os.replace(directory, old)  # without an atomic exchange: a short window with neither
   os.replace(new, directory)
   shutil.rmtree(old)
 

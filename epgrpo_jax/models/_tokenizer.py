@@ -24,7 +24,7 @@ def load_tokenizer(directory: str | Path):
   # transformers warns at import that PyTorch is absent: noise for a JAX user. The user's own
   # TRANSFORMERS_VERBOSITY wins.
   os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-  from transformers import AutoTokenizer  # heavy import, only when needed
+  from transformers import AutoTokenizer  # 1.2 s to import; after the verbosity is set
 
   directory = Path(directory)
   if not directory.is_dir():

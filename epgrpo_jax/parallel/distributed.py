@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+from jax._src import xla_bridge
+from jax.experimental import multihost_utils
 
 from epgrpo_jax.io.errors import UserError
 
@@ -68,7 +70,6 @@ def initialize(cfg=None, environ: Mapping[str, str] | None = None) -> bool:
     return False
   if jax.distributed.is_initialized():
     return True
-  from jax._src import xla_bridge
   if xla_bridge.backends_are_initialized():
     raise RuntimeError("distributed: jax.distributed.initialize must run before any JAX "
                        "computation; call epgrpo_jax.parallel.distributed.initialize first")
@@ -126,7 +127,6 @@ def to_host(tree: Any) -> Any:
       return x
     if x.is_fully_addressable or x.is_fully_replicated:
       return np.asarray(x)
-    from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return jax.tree.map(one, tree)
 
@@ -135,7 +135,6 @@ def allgather_rows(local: np.ndarray) -> np.ndarray:
   """The processes' row blocks concatenated in process order (the identity for one process)."""
   if jax.process_count() == 1:
     return np.asarray(local)
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
 
 
@@ -143,7 +142,6 @@ def broadcast_from_main(x: np.ndarray) -> np.ndarray:
   """Process 0's value of `x` on every process (the identity for one process)."""
   if jax.process_count() == 1:
     return np.asarray(x)
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(x)))
 
 

@@ -20,19 +20,28 @@ token's numbers in its tooltip.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import html
 import json
 import math
+import shutil
 import sys
 import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import yaml
 
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.io.metrics import token_strings
 from epgrpo_jax.io.records import jsonl_rows
+from epgrpo_jax.rewards import parse_gold
+
+# The modules that import JAX (models, data, training, parallel) are imported inside the
+# functions that need them, so that --help, bad arguments and drawing a dumped group stay fast.
 
 # key in samples.jsonl -> (data attribute, button label, scale kind, description)
 QUANTITIES: dict[str, tuple[str, str, str, str]] = {
@@ -104,9 +113,7 @@ def select_group(groups: Sequence[dict], step: int | None = None,
 
 
 def _run_tokenizer(run_dir: Path):
-  import yaml
-
-  from epgrpo_jax.models import load_tokenizer
+  from epgrpo_jax.models import load_tokenizer  # imports JAX: only when ids need strings
   cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
   return load_tokenizer(cfg["model"]["path"])
 
@@ -124,7 +131,6 @@ def ensure_tokens(group: dict[str, Any], run_dir: str | Path | None = None) -> d
     except Exception as e:  # no config, moved model: fall back to ids
       print(f"note: cannot load the run's tokenizer ({type(e).__name__}: {e}); showing token ids",
             file=sys.stderr)
-  from epgrpo_jax.io.metrics import token_strings
   for r in missing:
     r["tokens"] = (token_strings(tokenizer, r["token_ids"]) if tokenizer is not None
                    else [f"<{i}>" for i in r["token_ids"]])
@@ -231,96 +237,14 @@ def _response_html(r: dict[str, Any], index: int, limits: dict[str, float]) -> s
   return f'<div class="resp">{head}<div class="toks">{"".join(parts)}</div></div>'
 
 
-CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
- margin:0;color:#1b1b1b;background:#f6f6f4}
-main{max-width:1180px;margin:0 auto;padding:18px 22px 40px}
-h1{font-size:20px;margin:0 0 2px}
-.meta{color:#666;font-size:12.5px;margin-bottom:12px}
-.card{background:#fff;border:1px solid #e2e2de;border-radius:8px;padding:10px 14px;margin:10px 0}
-.label{font-size:11.5px;text-transform:uppercase;letter-spacing:.04em;color:#777;margin-bottom:2px}
-.problem{font:14px/1.4 ui-monospace,"DejaVu Sans Mono",Menlo,monospace;white-space:pre-wrap;margin:0}
-.facts{display:flex;flex-wrap:wrap;gap:6px 18px;margin-top:6px;font-size:13px;color:#333}
-.controls{position:sticky;top:0;z-index:2;background:#f6f6f4ee;padding:8px 0 6px;
- border-bottom:1px solid #e2e2de}
-.buttons{display:flex;flex-wrap:wrap;gap:6px}
-button{font:inherit;font-size:13px;padding:4px 10px;border:1px solid #bbb;border-radius:14px;
- background:#fff;cursor:pointer}
-button.on{background:#1b1b1b;color:#fff;border-color:#1b1b1b}
-.desc{font-size:13px;color:#333;margin:6px 0 4px;min-height:19px}
-.legend{display:flex;align-items:center;gap:10px;font-size:12px;color:#444;flex-wrap:wrap}
-.bar{width:260px;height:12px;border:1px solid #ccc;border-radius:2px}
-.ticks{display:flex;justify-content:space-between;width:262px;font-size:11px;color:#555}
-.scale{display:flex;flex-direction:column}
-.mark{display:inline-block;width:0;height:13px;border-left:2px solid #222;margin:0 4px -2px 8px}
-.resp{background:#fff;border:1px solid #e2e2de;border-radius:8px;padding:8px 12px 10px;
- margin:10px 0}
-.rhead{display:flex;flex-wrap:wrap;align-items:center;gap:6px 14px;font-size:13px;
- margin-bottom:6px}
-.pill{padding:1px 8px;border-radius:10px;font-weight:600;font-size:12.5px}
-.pill.good{background:#d9f0d3;color:#1b5e20}.pill.bad{background:#f7d6e6;color:#8e0f4f}
-.kv{color:#444}
-.toks{font:13.5px/1.9 ui-monospace,"DejaVu Sans Mono",Menlo,monospace;white-space:pre-wrap;
- word-break:break-all}
-.tok{padding:1px 0;border-radius:2px;cursor:default}
-.tok:hover{outline:2px solid #111;outline-offset:0}
-.tok.bstart{border-left:2px solid #333;margin-left:2px}
-.nums .tok.bstart::before,.nums .tok:first-child::before{content:attr(data-b);font-size:8.5px;
- color:#333;vertical-align:super;margin-right:1px}
-.hover{font:12px/1.4 ui-monospace,"DejaVu Sans Mono",Menlo,monospace;color:#333;min-height:17px;
- margin-top:4px;white-space:pre}
-"""
-
-JS = """
-const Q = %(quantities)s, LIM = %(limits)s, NEG = %(neg)s, POS = %(pos)s, SEQ = %(seq)s,
-  BUCKETS = %(buckets)s;
-function mix(rgb, f) {
-  f = Math.min(Math.max(f, 0), 1);
-  return 'rgb(' + rgb.map(c => Math.round(255 + (c - 255) * f)).join(',') + ')';
-}
-function color(kind, v, lim) {
-  if (kind === 'bucket') return BUCKETS[Math.round(v) %% BUCKETS.length];
-  if (!isFinite(v)) return '#ffffff';
-  const f = lim > 0 ? v / lim : 0;
-  if (kind === 'signed') return mix(f >= 0 ? POS : NEG, Math.abs(f));
-  return mix(SEQ[kind], f);
-}
-function fmt(v) { return Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3); }
-function show(key) {
-  const q = Q[key], lim = LIM[key];
-  document.querySelectorAll('.tok').forEach(s => {
-    s.style.background = color(q.kind, parseFloat(s.dataset[q.attr]), lim);
-  });
-  document.querySelectorAll('button[data-q]').forEach(b => b.classList.toggle('on', b.dataset.q === key));
-  document.getElementById('desc').innerHTML = q.desc;
-  document.body.classList.toggle('nums', key === 'bucket' || key === 'tau');
-  const bar = document.getElementById('bar'), t = document.getElementById('ticks').children;
-  if (q.kind === 'signed') {
-    bar.style.background = 'linear-gradient(to right,' + mix(NEG, 1) + ',#fff,' + mix(POS, 1) + ')';
-    t[0].textContent = '−' + fmt(lim); t[1].textContent = '0'; t[2].textContent = '+' + fmt(lim);
-  } else if (q.kind === 'bucket') {
-    const n = Math.max(1, Math.round(lim)), w = 100 / n;
-    bar.style.background = 'linear-gradient(to right,' + Array.from({length: n}, (_, i) =>
-      BUCKETS[i %% BUCKETS.length] + ' ' + (i * w) + '%%,' + BUCKETS[i %% BUCKETS.length] + ' ' + ((i + 1) * w) + '%%').join(',') + ')';
-    t[0].textContent = '0'; t[1].textContent = 'bucket'; t[2].textContent = String(n - 1);
-  } else {
-    bar.style.background = 'linear-gradient(to right,#fff,' + mix(SEQ[q.kind], 1) + ')';
-    t[0].textContent = '0'; t[1].textContent = fmt(lim / 2); t[2].textContent = fmt(lim);
-  }
-  try { history.replaceState(null, '', '#' + key); } catch (e) {}
-}
-document.querySelectorAll('button[data-q]').forEach(b => b.addEventListener('click', () => show(b.dataset.q)));
-const hover = document.getElementById('hover');
-document.addEventListener('mouseover', e => {
-  const s = e.target.closest && e.target.closest('.tok');
-  if (s) hover.textContent = s.title.split('\\n').join('   ');
-});
-show(Q[location.hash.slice(1)] ? location.hash.slice(1) : %(default)s);
-"""
+# The page's style sheet, and its script: a %-format template (`%(name)s` fields take the
+# page's data, `%%` is a literal %). Both ship beside this module (package data).
+CSS = resources.files("epgrpo_jax.tools").joinpath("heatmap.css").read_text(encoding="utf-8")
+JS = resources.files("epgrpo_jax.tools").joinpath("heatmap.js").read_text(encoding="utf-8")
 
 
 def render_html(group: dict[str, Any], *, title: str = "", source: str = "") -> str:
-  """The self-contained page of one group record (see `sample_records` in trainer.py)."""
+  """The self-contained page of one group record (see `sample_records` in training/rollouts.py)."""
   responses = group["responses"]
   if not responses:
     raise ValueError("the group has no responses")
@@ -354,7 +278,8 @@ def render_html(group: dict[str, Any], *, title: str = "", source: str = "") -> 
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{html.escape(title)} · EP-GRPO token heat map</title>
-<style>{CSS}</style></head>
+<style>
+{CSS}</style></head>
 <body><main>
 <h1>EP-GRPO token heat map · {html.escape(title)}</h1>
 <div class="meta">{html.escape(meta)}</div>
@@ -369,7 +294,8 @@ def render_html(group: dict[str, Any], *, title: str = "", source: str = "") -> 
 them) · hover a token for its numbers</div></div>
 <div class="hover" id="hover"></div></div>
 {body}
-</main><script>{js}</script></body></html>
+</main><script>
+{js}</script></body></html>
 """
 
 
@@ -385,15 +311,13 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
   The problem defaults to the run's first held-out problem; the answer to the one the run's
   data gives it. The run directory is only read: the trainer writes to a scratch directory.
   """
-  import dataclasses
-  import shutil
-
-  from epgrpo_jax import evaluate
+  # JAX-heavy imports, kept out of the command's fast paths (see the module's imports).
   from epgrpo_jax.data import pipeline
+  from epgrpo_jax.evaluation.checkpoints import resolve_checkpoint
   from epgrpo_jax.io.checkpointing import restore_trainable
   from epgrpo_jax.training.config import load_config
-  from epgrpo_jax.rewards import parse_gold
-  from epgrpo_jax.training.trainer import Trainer, sample_records
+  from epgrpo_jax.training.rollouts import sample_records
+  from epgrpo_jax.training.trainer import Trainer
 
   run_dir = Path(run_dir)
   if not (run_dir / "config.yaml").is_file():
@@ -411,7 +335,7 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
     state = trainer.initial_state()
     step = 0
     try:
-      ref = evaluate.resolve_checkpoint(run_dir)
+      ref = resolve_checkpoint(run_dir)
     except FileNotFoundError:
       print(f"note: {run_dir} has no checkpoint; sampling the initial policy", file=sys.stderr)
     else:
@@ -441,7 +365,7 @@ def sample_group(run_dir: str | Path, problem: str | None = None, answer: str | 
 def _mesh_for_rows(cfg, rows: int):
   """The run's mesh, or, when its data x fsdp shards do not divide the `rows` of one group,
   the same fsdp x tensor layout with fewer data shards (on a subset of the devices)."""
-  import jax
+  import jax  # JAX-heavy, kept out of the command's fast paths (see the module's imports)
 
   from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
   data, fsdp, tensor = cfg.mesh.shape(jax.device_count())

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io.errors import MissingFileError, UserError
@@ -108,7 +110,6 @@ def _draw(ax, panel: Panel, runs: Sequence[Run], alpha: float) -> bool:
       ax.plot(steps, values * scale, color=color, linewidth=1.5, marker="o", markersize=4,
               label=run.name)
   if drawn:
-    from matplotlib.ticker import MaxNLocator
     ax.set_title(panel.title, fontsize=11)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
@@ -129,10 +130,6 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
 
   Missing metrics are reported on stderr and left out of the grid.
   """
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   if names is not None and len(names) != len(run_dirs):
     raise UserError(f"--names: {len(names)} names for {len(run_dirs)} runs")
   runs = load_runs(run_dirs, names)
@@ -142,7 +139,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
   written: dict[str, Path] = {}
   present = []
   for panel in panels:
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig = Figure(figsize=(6.4, 4.0))  # no pyplot: no global backend, nothing to close
+    ax = fig.subplots()
     if _draw(ax, panel, runs, alpha):
       ax.legend(fontsize=9, loc="best")
       if panel.smooth:
@@ -155,11 +153,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
       present.append(panel)
     else:
       print(f"note: no run logged {panel.key!r}; skipped", file=sys.stderr)
-    plt.close(fig)
   if present:
     cols = min(3, len(present))
     rows = math.ceil(len(present) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols, 3.6 * rows), squeeze=False)
+    fig = Figure(figsize=(5.0 * cols, 3.6 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, panel in zip(axes.flat, present):
       _draw(ax, panel, runs, alpha)
     for ax in list(axes.flat)[len(present):]:
@@ -172,7 +170,6 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
     fig.tight_layout(rect=(0, 0.02, 1, 0.95))
     path = out_dir / "curves.png"
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
     written["curves"] = path
   return written
 

@@ -1,7 +1,8 @@
 """The training configuration: one typed, self-validating dataclass per section.
 
-`configs/default.yaml` holds the defaults users see; the dataclass defaults
-here equal the embedded default so that an empty config is a valid run.
+The field defaults here are the one source of every default: they are the embedded default
+run (`configs/default.yaml` is empty), and `python -m epgrpo_jax.train --print-config`
+prints every key with its value.
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ class ModelRunConfig:
   path: str = EMBEDDED  # a local HF directory, or "embedded" (the built-in tiny model)
   dtype: str = "float32"  # compute dtype: float32 or bfloat16
   param_dtype: str = "float32"  # frozen base weights; trainable weights are always float32
-  full_finetune: bool = False  # train every weight (reference = frozen copy) instead of LoRA
+  # True: train every weight (the reference is a frozen copy); False: LoRA adapters only
+  # (the reference is the model with the adapters off).
+  full_finetune: bool = False
   remat: bool = False  # rematerialise decoder layers in the backward pass (long sequences)
-  attention: str = "auto"  # auto | plain | blockwise | cudnn (auto: plain on CPU, cuDNN on GPU)
+  attention: str = "auto"  # auto | plain | blockwise | cudnn (auto: plain on CPU, cuDNN on GPU in bf16)
   attention_block: int = 512  # keys per block of the blockwise attention
 
   def __post_init__(self):
@@ -202,7 +205,7 @@ class EmbeddedConfig:
 
   data_dir: str = ""  # "" : $EPGRPO_DATA_DIR or ~/.cache/epgrpo_jax
   seed: int = 0
-  sft_steps: int = 800
+  sft_steps: int = 800  # the supervised warm start (cached after the first run)
   sft_learning_rate: float = 3e-3
   sft_batch_size: int = 16
   sft_slip: float = 0.0  # share of demonstration steps with a near-miss result
@@ -224,9 +227,9 @@ class TrainConfig:
   model: ModelRunConfig = ModelRunConfig()
   lora: LoraConfig = LoraConfig()
   data: DataConfig = DataConfig()
-  sampling: SamplingConfig = SamplingConfig(max_new_tokens=64)
+  sampling: SamplingConfig = SamplingConfig(max_new_tokens=64)  # the embedded task's answers are short
   reward: RewardConfig = RewardConfig()
-  advantage: AdvantageConfig = AdvantageConfig()
+  advantage: AdvantageConfig = AdvantageConfig()  # EP-GRPO with the paper's values (Section VII)
   loss: LossConfig = LossConfig()
   optim: OptimConfig = OptimConfig()
   train: TrainLoopConfig = TrainLoopConfig()
@@ -258,7 +261,7 @@ class TrainConfig:
 
 
 def load_config(config_file: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-  """TrainConfig from a YAML file (default: configs/default.yaml when present) and overrides."""
+  """TrainConfig from a YAML file (default: configs/default.yaml, which sets nothing) and overrides."""
   default = CONFIG_DIR / "default.yaml"
   return configlib.load(TrainConfig, config_file, overrides,
                         defaults_file=default if default.is_file() else None)

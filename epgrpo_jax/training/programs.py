@@ -142,6 +142,8 @@ def apply_gradients(tx: optax.GradientTransformation, trainable: nnx.State, opt_
                     loss: jax.Array, aux: dict, grads: nnx.State):
   """The optimizer step; skipped (states unchanged) if the loss or a gradient is not finite."""
   grad_norm = optax.tree.norm(grads)
+  # Not optax.apply_if_finite: it checks only the gradients (a non-finite loss must skip too), and
+  # it applies a non-finite update after max_consecutive_errors, where the trainer stops the run.
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt_state = tx.update(grads, opt_state, trainable)
   new_trainable = optax.apply_updates(trainable, updates)
@@ -321,10 +323,9 @@ class StepFunctions:
         "trainable": s.trainable, "opt_state": s.opt_state, "frozen": s.frozen,
         "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch()}
     jit = functools.partial(_jit, mesh=s.mesh if s else None)
-    self.score_program = jit(score_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
-                             (s.rows, s.rows, s.rows) if s else None)
-    self.reference_program = jit(reference_fn, (s.trainable, s.frozen, s.reference, s.rollout()) if s else None,
-                                 s.rows if s else None)
+    scored = (s.trainable, s.frozen, s.reference, s.rollout()) if s else None
+    self.score_program = jit(score_fn, scored, (s.rows, s.rows, s.rows) if s else None)
+    self.reference_program = jit(reference_fn, scored, s.rows if s else None)
     self._jit, self._cpu_memory = jit, cpu_memory
     self._gradients_programs: dict[int, Any] = {}
     self.apply_program = jit(
