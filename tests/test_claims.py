@@ -28,7 +28,7 @@ def test_hypothesis_example_counts_come_from_the_profile_alone():
 
 
 def _run_main_with(raise_stmt: str) -> subprocess.CompletedProcess:
-  code = ("import sys\nfrom epgrpo_jax import cli, errors\n"
+  code = ("import sys\nfrom epgrpo_jax.io import commandline as cli, errors\n"
           f"def fn():\n  {raise_stmt}\n"
           "sys.exit(cli.run_main(fn))\n")
   return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -43,6 +43,8 @@ def test_a_bug_exits_1_with_its_traceback():
     proc = _run_main_with(stmt)
     assert proc.returncode == 1, (stmt, proc.stderr)
     assert "Traceback (most recent call last)" in proc.stderr, stmt
+    # The traceback is the raised bug's own (not, say, an import failing before it).
+    assert proc.stderr.splitlines()[-1].startswith(stmt.split()[1].split("(")[0] + ":"), proc.stderr
 
 
 def test_user_and_run_errors_are_one_line():
