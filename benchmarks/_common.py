@@ -304,22 +304,25 @@ def forward_flops(cfg, tokens: int, context: float) -> float:
   return tokens * (2 * matmul_params(cfg) + attention)
 
 
-def step_flops(cfg, shape: "Shape", *, lora: bool = True) -> dict[str, float]:
+def step_flops(cfg, shape: "Shape", *, lora: bool = True, fused: bool = False) -> dict[str, float]:
   """Model FLOPs of one RL step by phase (sampling, scoring + reference, update).
 
   Sampling: one forward per new token over the cache (average context Tp +
   N/2). Scoring and reference: two forwards over Tp + N tokens (causal: Tp/2 +
-  N/2 keys on average). Update: forward + backward; the backward costs one
-  forward for activation gradients, plus one more for weight gradients with
-  full fine-tuning (LoRA's weight gradients are negligible): 2x or 3x a forward.
+  N/2 keys on average); with the fused update (`train.fused_update`) only the
+  reference forward, the update's own forward standing in for the scoring pass.
+  Update: forward + backward; the backward costs one forward for activation
+  gradients, plus one more for weight gradients with full fine-tuning (LoRA's
+  weight gradients are negligible): 2x or 3x a forward.
   """
   rows = shape.prompts * shape.samples
   seq = shape.prompt_len + shape.new_tokens
   sampling = forward_flops(cfg, rows * shape.new_tokens, shape.prompt_len + shape.new_tokens / 2)
   one_pass = forward_flops(cfg, rows * seq, seq / 2)
+  scoring = one_pass * (1 if fused else 2)
   update = one_pass * (2 if lora else 3)
-  return {"sampling": sampling, "scoring": 2 * one_pass, "update": update,
-          "total": sampling + 2 * one_pass + update}
+  return {"sampling": sampling, "scoring": scoring, "update": update,
+          "total": sampling + scoring + update}
 
 
 # -- a step timed phase by phase ----------------------------------------------------------------
@@ -336,7 +339,9 @@ class PhasedStep:
   log-probs and the reference-only program), the advantage program and the
   update. The reference pass's share is measured by the trainer's
   reference-only program, run once per step outside the step time, and
-  subtracted from the scoring time.
+  subtracted from the scoring time. With the trainer's fused update
+  (`train.fused_update`), scoring, reference, advantage and update are one
+  program, timed as "update" (the other phases 0).
   """
 
   def __init__(self, trainer):
@@ -389,6 +394,16 @@ class PhasedStep:
     rewards_PxG = np.asarray(rewards.reward, np.float32).reshape(P, G)
     lap("reward")
 
+    if tr.fused:  # one program: scoring, reference, advantage, update
+      trainable, opt_state, m, scored = tr.fns.fused_update(
+          state.trainable, state.opt_state, tr.policy.frozen, tr.policy.reference, rollout,
+          rewards_PxG)
+      lap("update", trainable, opt_state, m)
+      times.update(scoring=0.0, reference=0.0, advantage=0.0, step=time.perf_counter() - start)
+      self.last_batch = UpdateBatch(rollout=rollout, logp_old=scored.logp_old,
+                                    logp_ref=scored.logp_ref,
+                                    advantage=scored.advantage.reshape(P * G, -1))
+      return RunState(trainable=trainable, opt_state=opt_state, key=key, step=state.step + 1), times
     if t.reuse_sampler_logprobs:  # the sampler's log-probs and entropies; the reference pass only
       logp_old, entropy = (jnp.asarray(x.reshape(P * G, -1)[:, :n]) for x in (host.logp, host.entropy))
       logp_ref = tr.fns.reference(state.trainable, tr.policy.frozen, tr.policy.reference, rollout)

@@ -64,6 +64,8 @@ def parse_args(argv=None):
                   help="ours: model.attention (default: the config default, auto)")
   ap.add_argument("--reuse-sampler-logprobs", action="store_true",
                   help="ours: train.reuse_sampler_logprobs=true (no scoring pass; TRL has none on-policy)")
+  ap.add_argument("--separate-programs", action="store_true",
+                  help="ours: train.fused_update=false (scoring, advantage, update as 3 programs)")
   ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
   return ap.parse_args(argv)
 
@@ -91,6 +93,8 @@ class Ours:
       extra.append(f"model.attention={args.attention}")
     if args.reuse_sampler_logprobs:
       extra.append("train.reuse_sampler_logprobs=true")
+    if args.separate_programs:
+      extra.append("train.fused_update=false")
     self.trainer = C.make_trainer(model_dir, train_file, out_dir, shape, *extra)
     self.state = self.trainer.initial_state()
     self.records: list[dict] = []
@@ -264,7 +268,7 @@ def main(argv=None):
     print(f"ratio TRL step / ours step: {ratio:.2f}x (target >= 3x: {'met' if ratio >= 3 else 'NOT met'}); "
           f"load average during the timed steps: ours {o['load']:.2f}, TRL {t['load']:.2f}")
     result["ratio"] = ratio
-  flops = C.step_flops(cfg, shape)
+  flops = C.step_flops(cfg, shape, fused=ours.trainer.fused)
   print(f"model FLOPs per step: {flops['total'] / 1e9:.1f} GFLOP (sampling {flops['sampling'] / 1e9:.1f},"
         f" scoring+reference {flops['scoring'] / 1e9:.1f}, update {flops['update'] / 1e9:.1f}); "
         f"ours achieves {flops['total'] / o['step'] / 1e9:.1f} GFLOP/s")

@@ -136,6 +136,112 @@ def test_reference_pass_uses_adapters_off(task, tmp_path):
     trainer.close()
 
 
+TIMINGS = ("step_time", "sample_time", "update_time", "tokens_per_second",
+           "sampling/tokens_per_second", "train/tokens_per_second")
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.remat=true",), ("model.full_finetune=true",),
+                                       ("advantage.entropy_gate=false",
+                                        "advantage.progress_signal=false",
+                                        "advantage.zero_variance_anchor=false")],
+                         ids=["epgrpo", "remat", "full-finetune", "grpo"])
+def test_fused_update_equals_the_separate_programs(task, tmp_path, overrides):
+  """The one-program on-policy update (scoring, reference, advantage, loss, backward, optimizer),
+  at the first step (policy = reference) and after the adapters moved: its log-probs and
+  entropies equal the separate scoring program's, and from those the separate advantage and
+  update programs give its advantage, metrics and new parameters (1e-5). At the first step its
+  progress signal is exactly zero.
+
+  The random model's entropies are nearly uniform, so the entropy gate (a z-score) magnifies
+  the 1e-7 rounding between two forward passes a thousandfold: the passes are compared
+  directly, and the later programs on the same inputs. `optim.eps=1e-4`: with Adam's 1e-8, the
+  first step divides each gradient by its own size, and where a gradient is near zero rounding
+  would decide the sign of a learning-rate-sized step."""
+  trainer = Trainer(tiny_config(task, tmp_path / "run", "optim.eps=1e-4", *overrides))
+  try:
+    assert trainer.fused
+    fns, frozen, reference = trainer.fns, trainer.policy.frozen, trainer.policy.reference
+    t = trainer.cfg.train
+    P, G = t.prompts_per_step, t.num_generations
+    state = trainer.initial_state()
+    rollout = fixed_rollout(trainer, state, jax.random.key(3))
+    mask = np.asarray(rollout.completion_mask)
+    rewards_PxG = jnp.asarray(np.random.default_rng(0).integers(0, 2, (P, G)),
+                              jnp.float32).at[0].set(1.0)  # a zero-variance group too
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)
+    real = lambda x: np.asarray(x)[mask]
+    trainable, opt_state = state.trainable, state.opt_state
+    for step in range(3):
+      new_trainable, new_opt_state, metrics, scored = fns.fused_update(
+          copy(trainable), copy(opt_state), frozen, reference, rollout, rewards_PxG)
+      logp_old, entropy, logp_ref = fns.score(trainable, frozen, reference, rollout)
+      for got, want in ((scored.logp_old, logp_old), (scored.entropy, entropy),
+                        (scored.logp_ref, logp_ref)):
+        np.testing.assert_allclose(real(got), real(want), atol=2e-6, rtol=1e-6)
+      shape = (P, G, -1)
+      adv, comps, adv_metrics = trainer.advantage_fn(
+          rewards_PxG, scored.entropy.reshape(shape), scored.logp_old.reshape(shape),
+          scored.logp_ref.reshape(shape), rollout.completion_mask.reshape(shape),
+          cfg=trainer.cfg.advantage)
+      chex.assert_trees_all_close((adv, comps, adv_metrics),
+                                  (scored.advantage, scored.components, scored.adv_metrics),
+                                  atol=1e-5, rtol=1e-5)
+      batch = steps.UpdateBatch(rollout=rollout, logp_old=scored.logp_old,
+                                logp_ref=scored.logp_ref, advantage=adv.reshape(P * G, -1))
+      separate = fns.update(copy(trainable), copy(opt_state), frozen, batch)
+      chex.assert_trees_all_close(separate, (new_trainable, new_opt_state, metrics), atol=1e-5,
+                                  rtol=1e-5, custom_message=f"step {step + 1}")
+      signal = np.asarray(scored.components.signal)
+      if step == 0:
+        # Exactly, by construction (the separate passes round apart at some shapes).
+        assert np.all(signal == 0.0) and np.all(np.asarray(scored.components.progress) == 0.0)
+      else:
+        assert np.abs(signal).max() > 1e-4  # the policy moved
+      trainable, opt_state = new_trainable, new_opt_state
+  finally:
+    trainer.close()
+
+
+def digit_reward(completions: list[str], answers: list[str]) -> list[float]:
+  """A dense reward (the share of digits): the random model earns rewards that vary in a group."""
+  return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def test_fused_training_steps_match_the_separate_programs(task, tmp_path):
+  """Two training steps with and without the fused update: equal at step 1 (1e-5); at step 2
+  within 1e-3, since Adam's first step divides each gradient by its own size and so blows the
+  paths' 1e-7 rounding apart on weights whose gradient is near zero."""
+  runs = []
+  for fused in ("true", "false"):
+    trainer = Trainer(tiny_config(task, tmp_path / fused, f"train.fused_update={fused}",
+                                  f"reward.function={__name__}:digit_reward", "advantage.eps=1e-3"))
+    try:
+      assert trainer.fused == (fused == "true")
+      state, metrics = trainer.initial_state(), []
+      for _ in range(2):
+        state, m, _ = trainer.step(state)
+        metrics.append({k: v for k, v in m.items() if k not in TIMINGS})
+      runs.append(metrics)
+    finally:
+      trainer.close()
+  for step, tol in ((0, 1e-5), (1, 1e-3)):
+    a, b = runs[0][step], runs[1][step]
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_allclose(a[k], b[k], atol=tol, rtol=tol, err_msg=f"step {step + 1}: {k}")
+  assert runs[0][0]["ep/signal_abs_mean"] == 0.0  # the fused step 1: exactly
+
+
+def test_fused_update_only_on_policy(task, tmp_path):
+  """Several updates a step, micro-batches or the sampler's log-probs keep separate programs."""
+  for overrides in (("train.num_iterations=2",), ("train.mini_batches=2",),
+                    ("train.grad_accumulation=2",), ("train.reuse_sampler_logprobs=true",),
+                    ("train.fused_update=false",)):
+    trainer = Trainer(tiny_config(task, tmp_path / "run", *overrides))
+    assert not trainer.fused and trainer.fns.fused_program is None, overrides
+    trainer.close()
+
+
 def test_gradient_accumulation_equals_one_pass(task, tmp_path):
   """Gradients of 2 micro-batches combined = the full batch's, for each loss aggregation."""
   from epgrpo_jax.core.losses import AGGREGATIONS, LossConfig

@@ -101,6 +101,10 @@ class TrainLoopConfig:
   seed: int = 42
   output_dir: str = "runs/default"
   reuse_sampler_logprobs: bool = False  # skip the scoring pass; use the sampler's log-probs
+  # On-policy steps (num_iterations = mini_batches = grad_accumulation = 1, no
+  # reuse_sampler_logprobs): score, reference pass, advantage and update in one program, the
+  # update's forward standing in for the scoring pass. Other settings keep separate programs.
+  fused_update: bool = True
   max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
   max_samples: int = 0  # stop once this many completions were sampled (0: no limit)
 

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from epgrpo_jax.core import losses
+from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.core import optim
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import place
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint
+from epgrpo_jax.training.advantage_program import advantage_step
 
 
 @struct.dataclass
@@ -163,6 +164,81 @@ def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt
   return apply_gradients(tx, trainable, opt_state, loss, aux, grads)
 
 
+@struct.dataclass
+class Scored:
+  """What the fused update computes on its way to the loss: the scoring pass (old log-probs,
+  entropies), the reference log-probs and the token-level advantage with its parts and
+  `ep/*` diagnostics; the same values the separate scoring and advantage programs give."""
+
+  logp_old: jax.Array  # [B, N]
+  entropy: jax.Array  # [B, N]
+  logp_ref: jax.Array  # [B, N]
+  advantage: jax.Array  # [P, G, N]
+  components: Any  # advantages.Components
+  adv_metrics: dict[str, jax.Array]
+
+
+def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
+                    reference: nnx.State | None, rollout: Rollout, rewards_PxG: jax.Array, *,
+                    loss_cfg: losses.LossConfig, adv_cfg: advantages.AdvantageConfig,
+                    temperature: float):
+  """(loss, aux, gradients, Scored) of one on-policy update from the rollout and its rewards.
+
+  The policy's forward pass is the one the loss differentiates: its log-probs and entropies
+  (under stop-gradient) are the scoring pass, so no separate scoring forward runs. The
+  reference log-probs (no gradient) and the advantage (`advantage_step`, stop-gradient) come
+  from the same program. On-policy, pi_old = pi_theta and the ratio is exactly 1.
+  """
+  P, G = rewards_PxG.shape
+  mask_BxN = rollout.completion_mask
+  logp_ref = jax.lax.stop_gradient(reference_logprobs(
+      graphdef, trainable, frozen, reference, rollout, temperature=temperature))
+  to_groups = lambda x: x.reshape(P, G, -1)
+
+  same = policy_is_reference(trainable, reference)
+
+  def loss_fn(tr):
+    model = nnx.merge(graphdef, frozen, tr)
+    logp, entropy = completion_logprobs(model, rollout, temperature=temperature)
+    logp_old, entropy_old = jax.lax.stop_gradient((logp, entropy))
+    # While the policy is its reference (every LoRA B zero, or full fine-tuning's weights
+    # unchanged: the first step), its log-probs are the reference's by definition. Computed
+    # apart, the differentiated forward and the plain reference forward round differently
+    # (1e-7), and the bucket z-scores would blow that noise up into a progress signal.
+    logp_ref_used = jnp.where(same, logp_old, logp_ref)
+    adv, comps, adv_metrics = advantage_step(
+        rewards_PxG, to_groups(entropy_old), to_groups(logp_old), to_groups(logp_ref_used),
+        to_groups(mask_BxN), cfg=adv_cfg)
+    loss, aux = losses.policy_loss(logp, logp_old, logp_ref_used, adv.reshape(P * G, -1),
+                                   mask_BxN, loss_cfg, entropy_BxT=entropy)
+    return loss, (aux, Scored(logp_old, entropy_old, logp_ref_used, adv, comps, adv_metrics))
+
+  (loss, (aux, scored)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+  return loss, aux, grads, scored
+
+
+def policy_is_reference(trainable: nnx.State, reference: nnx.State | None) -> jax.Array:
+  """bool []: the policy equals its reference (LoRA: every B is zero; full fine-tuning: the
+  trainable weights equal the reference copy)."""
+  if reference is not None:
+    same = jax.tree.map(lambda a, b: jnp.all(a == b), trainable, reference)
+    return jnp.all(jnp.stack(jax.tree.leaves(same)))
+  flat = jax.tree_util.tree_flatten_with_path(trainable)[0]
+  b = [jnp.all(x == 0) for path, x in flat if "lora_b" in jax.tree_util.keystr(path)]
+  return jnp.all(jnp.stack(b))
+
+
+def fused_update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State,
+                 opt_state: Any, frozen: nnx.State, reference: nnx.State | None,
+                 rollout: Rollout, rewards_PxG: jax.Array, *, loss_cfg: losses.LossConfig,
+                 adv_cfg: advantages.AdvantageConfig, temperature: float):
+  """`fused_gradients`, then `apply_gradients`: (trainable, opt_state, metrics, Scored)."""
+  loss, aux, grads, scored = fused_gradients(graphdef, trainable, frozen, reference, rollout,
+                                             rewards_PxG, loss_cfg=loss_cfg, adv_cfg=adv_cfg,
+                                             temperature=temperature)
+  return (*apply_gradients(tx, trainable, opt_state, loss, aux, grads), scored)
+
+
 def split_rows(batch: UpdateBatch, parts: int) -> list[UpdateBatch]:
   """`parts` equal consecutive row slices of the batch."""
   if parts == 1:
@@ -301,11 +377,16 @@ class StepFunctions:
   layer's recomputed activations live at once, as if there were no remat: the
   compiled temporaries grew with depth (`tests/test_model.py`). On CPU the
   gradient program is also compiled with XLA's memory-optimised scheduler.
+
+  With `adv_cfg`, `fused_update` runs an on-policy step's scoring, reference pass,
+  advantage and update as one program (`fused_update`; with remat, `fused_gradients`
+  then `apply_gradients`).
   """
 
   def __init__(self, graphdef, tx: optax.GradientTransformation, *,
                loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
-               shardings: StepShardings | None = None, remat: bool = False):
+               shardings: StepShardings | None = None, remat: bool = False,
+               adv_cfg: advantages.AdvantageConfig | None = None):
     cpu_memory = ({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
                   if remat and jax.default_backend() == "cpu" else None)
     score_fn = functools.partial(score, graphdef, temperature=temperature)
@@ -321,7 +402,8 @@ class StepFunctions:
     # Where each named argument lives (built once: `_placed` runs at every call).
     self._where = None if s is None else {
         "trainable": s.trainable, "opt_state": s.opt_state, "frozen": s.frozen,
-        "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch()}
+        "reference": s.reference, "rollout": s.rollout(), "batch": s.update_batch(),
+        "rewards": s.replicated}
     jit = functools.partial(_jit, mesh=s.mesh if s else None)
     scored = (s.trainable, s.frozen, s.reference, s.rollout()) if s else None
     self.score_program = jit(score_fn, scored, (s.rows, s.rows, s.rows) if s else None)
@@ -334,6 +416,19 @@ class StepFunctions:
     self.update_program = jit(
         update_fn, (s.trainable, s.opt_state, s.frozen, s.update_batch()) if s else None,
         (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
+    self.fused_program = self.fused_gradients_program = None
+    if adv_cfg is not None:
+      fused_kw = dict(loss_cfg=loss_cfg, adv_cfg=adv_cfg, temperature=temperature)
+      scored = Scored(*(s.rows,) * 3, *(s.replicated,) * 3) if s else None
+      fused_in = (s.trainable, s.frozen, s.reference, s.rollout(), s.replicated) if s else None
+      self.fused_program = jit(
+          functools.partial(fused_update, graphdef, tx, **fused_kw),
+          (s.trainable, s.opt_state, *fused_in[1:]) if s else None,
+          (s.trainable, s.opt_state, s.replicated, scored) if s else None, donate_argnums=(0, 1))
+      self.fused_gradients_program = jit(
+          functools.partial(fused_gradients, graphdef, **fused_kw), fused_in,
+          (s.replicated, s.replicated, s.trainable, scored) if s else None,
+          compiler_options=cpu_memory)
 
   def gradients_program(self, micro_batches: int = 1):
     """The jitted `accumulated_gradients` for `micro_batches` slices (compiled on first call)."""
@@ -372,6 +467,18 @@ class StepFunctions:
                                  self._placed(batch=batch)["batch"])
     loss, aux, grads = self.gradients(a["trainable"], a["frozen"], batch, micro_batches)
     return self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads)
+
+  def fused_update(self, trainable, opt_state, frozen, reference, rollout, rewards_PxG):
+    """(new trainable, new optimizer state, metrics, Scored) of one on-policy update that
+    scores, computes the advantage and updates in one program; donates the trainable and
+    optimizer state."""
+    a = self._placed(trainable=trainable, opt_state=opt_state, frozen=frozen,
+                     reference=reference, rollout=rollout, rewards=rewards_PxG)
+    if not self.split_update:
+      return self.fused_program(*a.values())
+    loss, aux, grads, scored = self.fused_gradients_program(
+        a["trainable"], a["frozen"], a["reference"], a["rollout"], a["rewards"])
+    return (*self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads), scored)
 
   def gradients(self, trainable, frozen, batch, micro_batches: int = 1):
     """(loss, aux metrics, gradients) of the loss on `batch`, without an optimizer step."""

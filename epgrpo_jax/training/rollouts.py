@@ -44,18 +44,24 @@ class Collected:
   completion_mask_BxN: np.ndarray
   loss_mask_BxN: np.ndarray  # without truncated completions when they are masked
   truncated_B: np.ndarray
-  logp_old: jax.Array
-  logp_ref: jax.Array
-  entropy: jax.Array
-  advantage: jax.Array  # [P, G, N]
+  # The scoring pass and advantage; None until the fused update computes them (`scored`).
+  logp_old: jax.Array | None
+  logp_ref: jax.Array | None
+  entropy: jax.Array | None
+  advantage: jax.Array | None  # [P, G, N]
   components: Any  # advantages.Components
-  adv_metrics: dict[str, Any]
+  adv_metrics: dict[str, Any] | None
   rounds: int  # sampling rounds (dynamic sampling)
   dynamic_metrics: dict[str, float]
 
   @property
   def examples(self) -> list[pipeline.Example]:
     return self.host.examples
+
+  @property
+  def scored(self) -> bool:
+    """Whether the scoring pass and advantage are in (else the fused update computes them)."""
+    return self.advantage is not None
 
   def record(self) -> dict[str, Any]:
     """What `sample_records` and the heat map read."""

@@ -129,11 +129,15 @@ class Trainer:
         o.learning_rate, total_updates, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
     on_policy = t.num_iterations == 1 and t.mini_batches == 1
+    # One program per on-policy update: the scoring pass is the update's own forward.
+    self.fused = (t.fused_update and on_policy and t.grad_accumulation == 1
+                  and not t.reuse_sampler_logprobs)
     self.shardings = StepShardings.create(self.policy, self.tx, self.mesh)
     self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
                              temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
-                             shardings=self.shardings, remat=cfg.model.remat)
+                             shardings=self.shardings, remat=cfg.model.remat,
+                             adv_cfg=cfg.advantage if self.fused else None)
     self.advantage_fn = AdvantageProgram(self.mesh)
 
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -199,13 +203,17 @@ class Trainer:
   # -- one RL step ------------------------------------------------------------------------
 
   def step(self, state: RunState) -> tuple[RunState, dict[str, float], dict[str, Any]]:
-    """One RL step: `collect` (sample -> reward -> score -> advantage), then `update`."""
-    return self.update(state, self.collect(state))
+    """One RL step: `collect` (sample -> reward -> score -> advantage), then `update`. With
+    the fused update, scoring and advantage run inside the update's program instead."""
+    return self.update(state, self.collect(state, score=not self.fused))
 
-  def collect(self, state: RunState, examples: list[pipeline.Example] | None = None) -> Collected:
+  def collect(self, state: RunState, examples: list[pipeline.Example] | None = None, *,
+              score: bool = True) -> Collected:
     """Samples G completions of P prompts (the next batch of the data iterator, or `examples`),
     rewards them on the host while the scoring pass runs, and computes the token-level
     advantages: everything `update` trains on. Tools (the heat map) call this alone.
+    `score=False` stops after the rewards (`Collected.scored` false): the fused update
+    scores and computes the advantage in its own program.
 
     With dynamic sampling (and no `examples`), rewards come first: `dynamic_round_batch`
     samples further batches of prompts until P groups have a reward signal (or the rounds
@@ -244,7 +252,10 @@ class Trainer:
         completion=completion_BxN, completion_mask=loss_mask_BxN), self.shardings.rollout())
 
     # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
-    if t.reuse_sampler_logprobs:
+    logp_old = entropy = logp_ref = None
+    if not score:
+      pass  # the fused update scores
+    elif t.reuse_sampler_logprobs:
       logp_old, entropy = (distributed.put(x, self.shardings.rows)
                            for x in (sample_logp_BxN, sample_entropy_BxN))
       logp_ref = self.fns.reference(state.trainable, self.policy.frozen, self.policy.reference,
@@ -258,10 +269,12 @@ class Trainer:
     rewards_PxG = distributed.broadcast_from_main(np.asarray(rewards.reward, np.float32).reshape(P, G))
 
     # 3. Token-level advantages.
-    shape = (P, G, -1)
-    adv, comps, adv_metrics = self.advantage_fn(
-        rewards_PxG, entropy.reshape(shape), logp_old.reshape(shape), logp_ref.reshape(shape),
-        rollout.completion_mask.reshape(shape), cfg=cfg.advantage)
+    adv = comps = adv_metrics = None
+    if score:
+      shape = (P, G, -1)
+      adv, comps, adv_metrics = self.advantage_fn(
+          rewards_PxG, entropy.reshape(shape), logp_old.reshape(shape), logp_ref.reshape(shape),
+          rollout.completion_mask.reshape(shape), cfg=cfg.advantage)
     return Collected(key=key, start=start, sample_time=sample_time, host=host, texts=texts,
                      rewards=rewards, rewards_PxG=np.asarray(rewards_PxG), rollout=rollout,
                      completion_BxN=completion_BxN, completion_mask_BxN=completion_mask_BxN,
@@ -276,15 +289,24 @@ class Trainer:
     cfg, t = self.cfg, self.cfg.train
     P, G = t.prompts_per_step, t.num_generations
     update_start = time.perf_counter()
-    batch = UpdateBatch(rollout=c.rollout, logp_old=c.logp_old, logp_ref=c.logp_ref,
-                        advantage=c.advantage.reshape(P * G, -1))
     trainable, opt_state = state.trainable, state.opt_state
     update_metrics = []
-    for _ in range(t.num_iterations):
-      for mb in split_rows(batch, t.mini_batches):
-        trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb,
-                                                  micro_batches=t.grad_accumulation)
-        update_metrics.append(m)
+    if not c.scored:  # one program: score, reference, advantage, update
+      trainable, opt_state, m, s = self.fns.fused_update(
+          trainable, opt_state, self.policy.frozen, self.policy.reference, c.rollout,
+          c.rewards_PxG)
+      c = dataclasses.replace(c, logp_old=s.logp_old, entropy=s.entropy, logp_ref=s.logp_ref,
+                              advantage=s.advantage, components=s.components,
+                              adv_metrics=s.adv_metrics)
+      update_metrics.append(m)
+    else:
+      batch = UpdateBatch(rollout=c.rollout, logp_old=c.logp_old, logp_ref=c.logp_ref,
+                          advantage=c.advantage.reshape(P * G, -1))
+      for _ in range(t.num_iterations):
+        for mb in split_rows(batch, t.mini_batches):
+          trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb,
+                                                    micro_batches=t.grad_accumulation)
+          update_metrics.append(m)
     update_metrics = distributed.to_host(update_metrics)
     update_time = time.perf_counter() - update_start
 
