@@ -312,3 +312,43 @@ def test_model_dir_value_errors_name_the_file_and_key(capsys, task, tmp_path):
   code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}",
                                           "data.use_chat_template=true"))
   assert code == 2 and "tokenizer_config.json: the chat template cannot render a prompt" in line, line
+
+
+@pytest.mark.parametrize("name,kind", [("policy", "file"), ("checkpoints", "file"),
+                                       ("metrics.jsonl", "dir"), ("summary.json", "dir")])
+def test_outputs_of_the_wrong_kind_stop_the_run_before_the_model_loads(capsys, task, tmp_path,
+                                                                       monkeypatch, name, kind):
+  """A file where the run writes a directory (or the reverse) is named at start, not when the run
+  writes it at its end; it is left as it was."""
+  from epgrpo_jax.training import trainer as trainer_mod
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  if kind == "file":
+    (run_dir / name).write_text("a user's file\n")
+  else:
+    (run_dir / name).mkdir()
+    (run_dir / name / "note.txt").write_text("a user's file\n")
+  before = _tree(run_dir)
+
+  def no_load(*args, **kwargs):
+    raise AssertionError("the model loaded before the output paths were checked")
+
+  monkeypatch.setattr(trainer_mod, "from_pretrained", no_load)
+  code, line = run_cli(capsys, *_run_args(task, tmp_path, f"train.output_dir={run_dir}"))
+  what = ("exists and is not a directory" if kind == "file" else "is a directory")
+  assert code == 2 and line.startswith(f"error: train.output_dir: {run_dir / name} {what}"), line
+  assert _tree(run_dir) == before
+
+
+def test_evaluate_out_with_a_results_file_of_the_wrong_kind(tmp_path, task):
+  out = tmp_path / "eval"
+  (out / "results.json").mkdir(parents=True)
+  proc = subprocess.run([sys.executable, "-m", "epgrpo_jax.evaluate", "--model", str(task.model_dir),
+                         "--benchmarks", "amc23", "--limit", "1", "--max-new-tokens", "16",
+                         "--out", str(out)],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f"error: --out: {out / 'results.json'} is a directory (it is written as a file); move it "
+      f"away"), proc.stderr
+  assert "Traceback" not in proc.stderr

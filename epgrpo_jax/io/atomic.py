@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
+
+from epgrpo_jax.io.errors import UserError
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
@@ -33,3 +36,19 @@ def open_for_append(path: str | Path):
       with open(path, "a", encoding="utf-8") as f:
         f.write("\n")
   return open(path, "a", buffering=1, encoding="utf-8")
+
+
+def check_output_paths(root: str | Path, field: str, *, dirs: Iterable[str] = (),
+                       files: Iterable[str] = ()) -> None:
+  """Raises a one-line error naming `field` if an output under `root` is of the wrong kind: one
+  of `dirs` that exists and is not a directory, or one of `files` that is a directory. Run
+  before any work, so that a run does not fail at its end, when it writes them."""
+  root = Path(root)
+  for name in dirs:
+    if (root / name).exists() and not (root / name).is_dir():
+      raise UserError(f"{field}: {root / name} exists and is not a directory (it is written as "
+                      f"one); move it away")
+  for name in files:
+    if (root / name).is_dir():
+      raise UserError(f"{field}: {root / name} is a directory (it is written as a file); move "
+                      f"it away")

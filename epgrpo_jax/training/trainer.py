@@ -21,6 +21,7 @@ from flax import nnx
 from epgrpo_jax.data import pipeline
 from epgrpo_jax.evaluation.heldout import evaluate_examples
 from epgrpo_jax.io import configlib
+from epgrpo_jax.io.atomic import check_output_paths
 from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.metrics import MetricsWriter
@@ -38,6 +39,10 @@ from epgrpo_jax.training.rollouts import (Collected, SampledRound, group_has_sig
                                           select_groups, step_metrics, truncated_rows)
 
 log = logging.getLogger("epgrpo_jax.training.trainer")
+
+# What a run writes in train.output_dir.
+RUN_DIRS = ("checkpoints", "policy", "tensorboard")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json")
 
 
 @dataclasses.dataclass
@@ -84,6 +89,7 @@ class Trainer:
                            "train.prompts_per_step x train.num_generations / "
                            "(train.mini_batches x train.grad_accumulation)")
     check_writable(self.out_dir)
+    check_output_paths(self.out_dir, "train.output_dir", dirs=RUN_DIRS, files=RUN_FILES)
     if t.prompts_per_step % jax.process_count():
       raise UserError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
                        f"{jax.process_count()} processes")
