@@ -352,3 +352,32 @@ def test_evaluate_out_with_a_results_file_of_the_wrong_kind(tmp_path, task):
       f"error: --out: {out / 'results.json'} is a directory (it is written as a file); move it "
       f"away"), proc.stderr
   assert "Traceback" not in proc.stderr
+
+
+def test_equal_ids_and_file_names_keep_each_rows_own_answer(task, tmp_path):
+  """Two training files of the same name in different folders, a held-out file named like them,
+  and a `data.id_field` whose values repeat: every example is rewarded against its own answer
+  (gold answers were once looked up by id, and rows got another row's answer)."""
+  from epgrpo_jax.training.config import TrainConfig
+  from epgrpo_jax.training.trainer import Trainer
+  files = {}
+  for folder, answers in (("a", ("12", "13")), ("b", ("34", "35")), ("heldout", ("56", "57"))):
+    (tmp_path / folder).mkdir()
+    files[folder] = tmp_path / folder / "train.jsonl"
+    files[folder].write_text("".join(json.dumps({"uid": 7, "problem": f"1 + {a} = ?", "answer": a})
+                                     + "\n" for a in answers))
+  cfg = TrainConfig().override(
+      f"model.path={task.model_dir}", f"data.train_files=[{files['a']},{files['b']}]",
+      f"data.heldout_file={files['heldout']}", "data.id_field=uid", "data.prompt_template={problem}",
+      "train.prompts_per_step=4", "train.num_generations=2", f"train.output_dir={tmp_path / 'run'}",
+      "logging.progress=false")
+  trainer = Trainer(cfg)
+  try:
+    examples = trainer.train_examples + trainer.heldout
+    assert sorted(e.answer for e in examples) == ["12", "13", "34", "35", "56", "57"]
+    for e in examples:
+      assert e.problem == f"1 + {e.answer} = ?"
+      assert trainer.gold(e).raw == e.answer
+      assert trainer.scorer.score([f"\\boxed{{{e.answer}}}"], [trainer.gold(e)]).reward[0] == 1.0
+  finally:
+    trainer.close()

@@ -167,6 +167,23 @@ def test_read_metrics_skips_a_truncated_last_line_with_a_warning(tmp_path, caplo
   assert "metrics.jsonl:3: skipped (invalid JSON)" in caplog.text
 
 
+def test_a_resumed_writer_ends_a_cut_line_before_appending(tmp_path, caplog):
+  """A kill mid-write leaves half a record; the next run's records start on lines of their own
+  (they used to be glued onto the broken line, and both were lost)."""
+  w = MetricsWriter(tmp_path, tensorboard=False)
+  w.write(1, {"reward": 0.5})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 2, "rew')
+  w = MetricsWriter(tmp_path, tensorboard=False)  # the resumed run
+  w.write(2, {"reward": 0.75})
+  w.write(3, {"reward": 1.0})
+  w.close()
+  assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path)] == [(1, 0.5), (2, 0.75),
+                                                                       (3, 1.0)]
+  assert "metrics.jsonl:2: skipped (invalid JSON)" in caplog.text
+
+
 def test_metrics_writer_jsonl_and_tensorboard_round_trip(tmp_path):
   w = MetricsWriter(tmp_path, tensorboard=True)
   w.write(1, {"reward": 0.5, "kl": np.float32(0.01)})
