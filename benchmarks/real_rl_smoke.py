@@ -12,7 +12,7 @@ is that none holds one logit row per scored token ([B, T, V]: the chunked
 LM-head loss should keep them to chunks). Last, the merged policy is exported,
 loaded by transformers, and its float32 logits are compared with ours.
 
-  python benchmarks/real_rl_smoke.py [--model DIR] [--out DIR] [key=value ...]
+  python benchmarks/real_rl_smoke.py [--model DIR] [--out DIR] [--compile-only] [key=value ...]
 
 `--model` defaults to $EPGRPO_REAL_MODEL; extra arguments are config overrides.
 """
@@ -53,6 +53,8 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--model", default=os.environ.get("EPGRPO_REAL_MODEL"))
   ap.add_argument("--out", default="runs/real-rl-smoke")
+  ap.add_argument("--compile-only", action="store_true",
+                  help="only compile the update program and print its memory figures")
   ap.add_argument("overrides", nargs="*")
   args = ap.parse_args()
   if not args.model:
@@ -79,6 +81,8 @@ def main():
   steps = []
   try:
     mem, buffers, over = update_program_check(trainer)
+    if args.compile_only:
+      return 0
     for _ in range(cfg.train.steps):
       state, m, record = trainer.step(state)
       rest = m["step_time"] - m["sample_time"] - m["update_time"]
@@ -132,20 +136,28 @@ def update_program_check(trainer):
   flag = lambda *s: jax.ShapeDtypeStruct(s, jnp.bool_)
   batch = UpdateBatch(rollout=Rollout(i32(b, tp), flag(b, tp), i32(b, n), flag(b, n)),
                       logp_old=f32(b, n), logp_ref=f32(b, n), advantage=f32(b, n))
+  policy = trainer.policy
+  opt_state = jax.eval_shape(trainer.tx.init, policy.trainable)
+  rewards = f32(cfg.train.prompts_per_step, cfg.train.num_generations)
   start = time.perf_counter()
-  if fns.split_update:
-    compiled = fns.gradients_program.lower(trainer.policy.trainable, trainer.policy.frozen,
-                                           batch).compile()
+  if trainer.fused and fns.split_update:
+    lowered = fns.fused_gradients_program.lower(policy.trainable, policy.frozen, policy.reference,
+                                                batch.rollout, rewards)
+  elif trainer.fused:
+    lowered = fns.fused_program.lower(policy.trainable, opt_state, policy.frozen,
+                                      policy.reference, batch.rollout, rewards)
+  elif fns.split_update:
+    lowered = fns.gradients_program(1).lower(policy.trainable, policy.frozen, batch)
   else:
-    opt_state = jax.eval_shape(trainer.tx.init, trainer.policy.trainable)
-    compiled = fns.update_program.lower(trainer.policy.trainable, opt_state,
-                                        trainer.policy.frozen, batch, None).compile()
+    lowered = fns.update_program.lower(policy.trainable, opt_state, policy.frozen, batch)
+  compiled = lowered.compile()
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
   v = trainer.model_cfg.vocab_size
   buffers = vocab_buffers(compiled.as_text(), v)
   over = [(s, e) for s, e in buffers if e >= b * n * v]
-  which = "gradient program (remat)" if fns.split_update else "update program"
+  which = ("fused " if trainer.fused else "") + (
+      "gradient program (remat)" if fns.split_update else "update program")
   print(f"{which} for B={b}, prompt slots {tp}, completion N={n} (compiled in {seconds:.0f}s): "
         f"temporaries {mem.temp_size_in_bytes / 2**20:.0f} MiB, arguments "
         f"{mem.argument_size_in_bytes / 2**20:.0f} MiB, outputs {mem.output_size_in_bytes / 2**20:.0f} "
