@@ -63,9 +63,9 @@ def test_literal_layout_over_rows_bucketed():
 
 
 def test_row_count_buckets():
-  assert [num_rows(n) for n in (0, 1, 2, 3, 4, 5, 9)] == [1, 1, 2, 4, 4, 8, 16]
+  assert [num_rows(n) for n in range(14)] == [1, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
   assert num_rows(3, multiple=4) == 4 and num_rows(1, multiple=4) == 4
-  assert num_rows(5, multiple=6) == 12
+  assert num_rows(5, multiple=6) == 6 and num_rows(7, multiple=6) == 12
 
 
 def _random_batch(rng, b=12, tp=6, n=9):
@@ -84,7 +84,7 @@ def test_every_token_placed_once_in_whole_segments(seed):
       np.random.default_rng(seed))
   p = pack(*batch, row_length=16)
   rows = p.tokens.shape[0]
-  assert p.tokens.shape[1] == 16 and rows & (rows - 1) == 0  # static: fixed length, 2^k rows
+  assert p.tokens.shape[1] == 16 and rows == num_rows(rows)  # static: fixed length, a bucket
   # Every scored completion token is the target of exactly one slot, and only those are.
   scored = completion_mask
   np.testing.assert_array_equal(p.targets.reshape(-1)[p.index[scored]], completion[scored])

@@ -10,9 +10,10 @@ the padded path. Per-token results come back to the rollout's [B, N] layout thro
 `index_BxN`, so advantages, the loss and the metrics are unchanged.
 
 Rows are filled first-fit-decreasing (longest sequence first, each into the first row with
-room): few rows, and a deterministic layout. Their number rounds up to a power of two (and
-a multiple of the batch shards), so that a run compiles its programs for a few row counts
-only. Host-side numpy.
+room): few rows, and a deterministic layout. Their number rounds up to the next of 1, 2,
+3, 4, 6, 8, 12, 16, ... (powers of two and 1.5 times them; then to a multiple of the batch
+shards), so that a run compiles its programs for at most two row counts per doubling, and
+at most a third of the rows are empty. Host-side numpy.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class Packing:
 
 
 def num_rows(needed: int, multiple: int = 1) -> int:
-  """The bucketed row count: the next power of two >= `needed`, rounded up to `multiple`."""
-  rows = 1 << max(needed - 1, 0).bit_length()
+  """The bucketed row count: the next of 1, 2, 3, 4, 6, 8, 12, ... >= `needed`, rounded up
+  to `multiple`."""
+  power = 1 << max(needed - 1, 0).bit_length()  # the next power of two
+  rows = power * 3 // 4 if power >= 4 and power * 3 // 4 >= needed else power
   return -(-max(rows, multiple) // multiple) * multiple
 
 
