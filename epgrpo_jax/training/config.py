@@ -110,7 +110,8 @@ class TrainLoopConfig:
   # within each sequence, instead of each padded to the longest. The same log-probs and loss.
   # Off by default: docs/benchmarks.md ("Packing") has where it wins.
   packing: bool = False
-  packing_length: int = 0  # tokens per packed row; 0: the longest prompt + sampling.max_new_tokens
+  packing_length: int = 0  # tokens per packed row; 0: the longest prompt (training or held-out)
+  # plus sampling.max_new_tokens
   max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
   max_samples: int = 0  # stop once this many completions were sampled (0: no limit)
 

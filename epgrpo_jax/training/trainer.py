@@ -118,12 +118,11 @@ class Trainer:
                        f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
                        f"{model_cfg.max_position_embeddings} tokens")
     # A packed row holds any one sequence: a prompt and its completion, less its last token.
-    longest_sequence = max(len(e.prompt_ids) for e in self.train_examples) + cfg.sampling.max_new_tokens
-    self.packing_length = t.packing_length or longest_sequence
-    if t.packing and self.packing_length < longest_sequence - 1:
+    self.packing_length = t.packing_length or longest + cfg.sampling.max_new_tokens
+    if t.packing and self.packing_length < longest + cfg.sampling.max_new_tokens - 1:
       raise UserError(f"train.packing_length: {t.packing_length} tokens cannot hold the longest "
-                       f"training prompt plus sampling.max_new_tokens - 1 "
-                       f"({longest_sequence - 1} tokens)")
+                       f"prompt plus sampling.max_new_tokens - 1 "
+                       f"({longest + cfg.sampling.max_new_tokens - 1} tokens)")
     self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
     if not self.eos_ids:
       raise UserError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
