@@ -383,10 +383,10 @@ class PhasedStep:
     n = min(bucket(max(int(mask_BxN.sum(1).max()), 1), cfg.sampling.length_buckets),
             tokens_BxN.shape[1])
     tokens_BxN, mask_BxN = tokens_BxN[:, :n], mask_BxN[:, :n]
-    rollout = distributed.place(Rollout(
+    rollout = distributed.place(tr.packed(Rollout(
         prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
         prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
-        completion=tokens_BxN, completion_mask=mask_BxN), tr.shardings.rollout())
+        completion=tokens_BxN, completion_mask=mask_BxN)), tr.shardings.rollout())
     lap("sample", rollout)
 
     texts = tr.decode(tokens_BxN, mask_BxN)

@@ -4,7 +4,9 @@ Shape suffixes as in `_qwen2`: B batch, K key/value heads, G query heads per KV 
 T queries, S key slots, Hd head dim, Bk keys per block, nb blocks.
 
 Every path computes softmax(q . keys / sqrt(Hd)) . values where query t (at slot
-`offset + t`) sees slot s iff `s <= offset + t` and `valid_BxS[b, s]`:
+`offset + t`) sees slot s iff `s <= offset + t` and `valid_BxS[b, s]`, and, given
+`segments_BxS` (packed rows: several sequences side by side), only slots of its own
+segment: `segments_BxS[b, s] == segments_BxS[b, offset + t]`:
 
 - "plain" materialises the [B, K, G, T, S] scores (`attend`); fastest at small T,
   and the one-token decode step always takes it.
@@ -53,11 +55,21 @@ def resolve(name: str, dtype, backend: str | None = None) -> str:
   return "blockwise"
 
 
-def visible(valid_BxS, offset, t: int):
-  """[B, T, S] bool: query t (at slot offset + t) sees the valid slots up to its own."""
+def query_segments(segments_BxS, offset, t: int):
+  """[B, T]: the segment of each query (the segment id at its slot `offset + t`)."""
+  return jax.lax.dynamic_slice_in_dim(segments_BxS, offset, t, axis=1)
+
+
+def visible(valid_BxS, offset, t: int, segments_BxS=None):
+  """[B, T, S] bool: query t (at slot offset + t) sees the valid slots up to its own (of its
+  own segment, given `segments_BxS`)."""
   slot_S = jnp.arange(valid_BxS.shape[1])
   query_slot_T = offset + jnp.arange(t)
-  return (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid_BxS[:, None, :]
+  allowed = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & valid_BxS[:, None, :]
+  if segments_BxS is None:
+    return allowed
+  same_BxTxS = query_segments(segments_BxS, offset, t)[:, :, None] == segments_BxS[:, None, :]
+  return allowed & same_BxTxS
 
 
 def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
@@ -73,19 +85,22 @@ def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
   return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype))
 
 
-def _blocks(keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, block: int):
-  """Keys, values, validity and slot numbers split into nb blocks of Bk slots (zero-padded)."""
+def _blocks(keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, segments_BxS, block: int):
+  """Keys, values, validity, segments and slot numbers split into nb blocks of Bk slots
+  (zero-padded)."""
   b, k, hd, s = keys_BxKxHdxS.shape
   nb = -(-s // block)
   pad = nb * block - s
   keys = jnp.pad(keys_BxKxHdxS, ((0, 0), (0, 0), (0, 0), (0, pad)))
   values = jnp.pad(values_BxKxSxHd, ((0, 0), (0, 0), (0, pad), (0, 0)))
   valid = jnp.pad(valid_BxS, ((0, 0), (0, pad)))
+  segments = jnp.pad(segments_BxS, ((0, 0), (0, pad)))
   keys_nbxBxKxHdxBk = keys.reshape(b, k, hd, nb, block).transpose(3, 0, 1, 2, 4)
   values_nbxBxKxBkxHd = values.reshape(b, k, nb, block, hd).transpose(2, 0, 1, 3, 4)
   valid_nbxBxBk = valid.reshape(b, nb, block).transpose(1, 0, 2)
+  segments_nbxBxBk = segments.reshape(b, nb, block).transpose(1, 0, 2)
   slot_nbxBk = jnp.arange(nb * block).reshape(nb, block)
-  return keys_nbxBxKxHdxBk, values_nbxBxKxBkxHd, valid_nbxBxBk, slot_nbxBk
+  return keys_nbxBxKxHdxBk, values_nbxBxKxBkxHd, valid_nbxBxBk, segments_nbxBxBk, slot_nbxBk
 
 
 def _loop(body, carry, xs, how: str):
@@ -109,31 +124,34 @@ def _loop(body, carry, xs, how: str):
   return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
-def _block_scores(q_BxKxGxTxHd, k_BxKxHdxBk, valid_BxBk, slot_Bk, offset, slots: int):
+def _block_scores(q_BxKxGxTxHd, k_BxKxHdxBk, valid_BxBk, seg_BxBk, slot_Bk, query_seg_BxT, offset,
+                  slots: int):
   """Masked float32 scores of one key block and where they are allowed: -1e30 where not
   visible (as `attend`), -inf on the zero padding past the last slot (no weight at all)."""
   q = q_BxKxGxTxHd
   scores = jnp.einsum("bkgth,bkhs->bkgts", q, k_BxKxHdxBk.astype(q.dtype),
                       preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
   query_slot_T = offset + jnp.arange(q.shape[3])
-  allowed_BxTxBk = (slot_Bk[None, None, :] <= query_slot_T[None, :, None]) & valid_BxBk[:, None, :]
+  allowed_BxTxBk = ((slot_Bk[None, None, :] <= query_slot_T[None, :, None]) & valid_BxBk[:, None, :]
+                    & (seg_BxBk[:, None, :] == query_seg_BxT[:, :, None]))
   allowed = allowed_BxTxBk[:, None, None]
   scores = jnp.where(allowed, scores, _NEG)
   return jnp.where(slot_Bk < slots, scores, -jnp.inf), allowed
 
 
-def _blockwise_forward(q, keys, values, valid, offset, block, how):
+def _blockwise_forward(q, keys, values, valid, segments, offset, block, how):
   """(output, (row max, row sum of exp(scores - max)), each [B, K, G, T] float32) by an online
   softmax over key blocks. Max and sum stay apart: for a row with no visible key the max is
   -1e30, to which log(sum) would add nothing in float32."""
   slots = keys.shape[-1]
-  kb, vb, validb, slotb = _blocks(keys, values, valid, block)
+  blocks = _blocks(keys, values, valid, segments, block)
   b, k, g, t, hd = q.shape
+  query_seg_BxT = query_segments(segments, offset, t)
 
   def body(carry, xs):
     m_BxKxGxT, l_BxKxGxT, acc_BxKxGxTxHd = carry
-    k_blk, v_blk, valid_blk, slot_blk = xs
-    s, _ = _block_scores(q, k_blk, valid_blk, slot_blk, offset, slots)
+    k_blk, v_blk, valid_blk, seg_blk, slot_blk = xs
+    s, _ = _block_scores(q, k_blk, valid_blk, seg_blk, slot_blk, query_seg_BxT, offset, slots)
     m_new = jnp.maximum(m_BxKxGxT, s.max(-1))
     correction = jnp.exp(m_BxKxGxT - m_new)
     p = jnp.exp(s - m_new[..., None])
@@ -144,33 +162,34 @@ def _blockwise_forward(q, keys, values, valid, offset, block, how):
 
   init = (jnp.full((b, k, g, t), _NEG, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
           jnp.zeros((b, k, g, t, hd), jnp.float32))
-  (m, l, acc), _ = _loop(body, init, (kb, vb, validb, slotb), how)
+  (m, l, acc), _ = _loop(body, init, blocks, how)
   return (acc / l[..., None]).astype(q.dtype), (m, l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _blockwise(q, keys, values, valid, offset, block, how):
-  return _blockwise_forward(q, keys, values, valid, offset, block, how)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _blockwise(q, keys, values, valid, segments, offset, block, how):
+  return _blockwise_forward(q, keys, values, valid, segments, offset, block, how)[0]
 
 
-def _blockwise_fwd(q, keys, values, valid, offset, block, how):
-  out, stats = _blockwise_forward(q, keys, values, valid, offset, block, how)
-  return out, (q, keys, values, valid, offset, out, stats)
+def _blockwise_fwd(q, keys, values, valid, segments, offset, block, how):
+  out, stats = _blockwise_forward(q, keys, values, valid, segments, offset, block, how)
+  return out, (q, keys, values, valid, segments, offset, out, stats)
 
 
 def _blockwise_bwd(block, how, residuals, dout_BxKxGxTxHd):
   """Recomputes each block's probabilities from the saved row statistics (flash-style backward)."""
-  q, keys, values, valid, offset, out, (m_BxKxGxT, l_BxKxGxT) = residuals
+  q, keys, values, valid, segments, offset, out, (m_BxKxGxT, l_BxKxGxT) = residuals
   slots = keys.shape[-1]
-  kb, vb, validb, slotb = _blocks(keys, values, valid, block)
+  query_seg_BxT = query_segments(segments, offset, q.shape[3])
   scale = 1.0 / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
   dout = dout_BxKxGxTxHd.astype(q.dtype)
   delta_BxKxGxT = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1)
   f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
 
   def body(dq_BxKxGxTxHd, xs):
-    k_blk, v_blk, valid_blk, slot_blk = xs
-    s, allowed = _block_scores(q, k_blk, valid_blk, slot_blk, offset, slots)
+    k_blk, v_blk, valid_blk, seg_blk, slot_blk = xs
+    s, allowed = _block_scores(q, k_blk, valid_blk, seg_blk, slot_blk, query_seg_BxT, offset,
+                               slots)
     p = jnp.exp(s - m_BxKxGxT[..., None]) / l_BxKxGxT[..., None]
     dv_BxKxBkxHd = f32("bkgts,bkgth->bksh", p.astype(q.dtype), dout)
     dp = f32("bkgth,bksh->bkgts", dout, v_blk.astype(q.dtype))
@@ -180,34 +199,38 @@ def _blockwise_bwd(block, how, residuals, dout_BxKxGxTxHd):
     dk_BxKxHdxBk = f32("bkgts,bkgth->bkhs", ds, q)
     return dq, (dk_BxKxHdxBk, dv_BxKxBkxHd)
 
-  dq, (dk_nb, dv_nb) = _loop(body, jnp.zeros(q.shape, jnp.float32), (kb, vb, validb, slotb), how)
+  dq, (dk_nb, dv_nb) = _loop(body, jnp.zeros(q.shape, jnp.float32),
+                             _blocks(keys, values, valid, segments, block), how)
   b, k, hd, s = keys.shape
   nb = dk_nb.shape[0]
   dkeys = dk_nb.transpose(1, 2, 3, 0, 4).reshape(b, k, hd, nb * block)[..., :s]
   dvalues = dv_nb.transpose(1, 2, 0, 3, 4).reshape(b, k, nb * block, hd)[:, :, :s]
-  return dq.astype(q.dtype), dkeys.astype(keys.dtype), dvalues.astype(values.dtype), None, None
+  return (dq.astype(q.dtype), dkeys.astype(keys.dtype), dvalues.astype(values.dtype), None, None,
+          None)
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
-              block: int = 512, loop: str = "unrolled"):
-  """`attend(q, keys, values, visible(valid_BxS, offset, T))` over key blocks of `block` slots,
-  never materialising [T, S] scores in the forward or the backward pass; `loop` "unrolled"
-  or "scan" (`_loop`)."""
+              block: int = 512, loop: str = "unrolled", segments_BxS=None):
+  """`attend(q, keys, values, visible(valid_BxS, offset, T, segments_BxS))` over key blocks of
+  `block` slots, never materialising [T, S] scores in the forward or the backward pass; `loop`
+  "unrolled" or "scan" (`_loop`)."""
   if loop not in ("unrolled", "scan"):
     raise ValueError(f"blockwise: loop must be 'unrolled' or 'scan', got {loop!r}")
   if block <= 0:
     raise ValueError(f"model.attention_block: must be > 0, got {block}")
   block = min(block, keys_BxKxHdxS.shape[-1])
   offset = jnp.asarray(offset, jnp.int32)
-  return _blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS.astype(bool), offset,
-                    block, loop)
+  if segments_BxS is None:  # one segment: every comparison holds
+    segments_BxS = jnp.zeros(valid_BxS.shape, jnp.int32)
+  return _blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS.astype(bool),
+                    segments_BxS.astype(jnp.int32), offset, block, loop)
 
 
 def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
-          implementation: str | None = "cudnn"):
+          implementation: str | None = "cudnn", segments_BxS=None):
   """The same attention through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU;
   `implementation="xla"` runs its reference path anywhere, for tests)."""
   b, k, g, t, hd = q_BxKxGxTxHd.shape
@@ -215,7 +238,7 @@ def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
   dtype = q_BxTxNxHd.dtype
   keys_BxSxKxHd = keys_BxKxHdxS.transpose(0, 3, 1, 2).astype(dtype)
   values_BxSxKxHd = values_BxKxSxHd.transpose(0, 2, 1, 3).astype(dtype)
-  mask_Bx1xTxS = visible(valid_BxS.astype(bool), offset, t)[:, None]
+  mask_Bx1xTxS = visible(valid_BxS.astype(bool), offset, t, segments_BxS)[:, None]
   out_BxTxNxHd = jax.nn.dot_product_attention(q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd,
                                               mask=mask_Bx1xTxS, implementation=implementation)
   return out_BxTxNxHd.reshape(b, t, k, g, hd).transpose(0, 2, 3, 1, 4)

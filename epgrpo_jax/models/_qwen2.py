@@ -92,7 +92,8 @@ def recompute_in_backward(fn: Callable) -> Callable:
   return wrapped
 
 
-def _remat_block(layer: "Block", x, positions, valid, attention: tuple[str, int], adapters: bool):
+def _remat_block(layer: "Block", x, positions, valid, segments, attention: tuple[str, int],
+                 adapters: bool):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
   The layer enters as a pure state, so this works when the model was merged from a
@@ -101,11 +102,11 @@ def _remat_block(layer: "Block", x, positions, valid, attention: tuple[str, int]
   """
   graphdef, state = nnx.split(layer)
 
-  def pure(state, x, positions, valid):
+  def pure(state, x, positions, valid, segments):
     return nnx.merge(graphdef, state)(x, positions, None, None, None, valid, 0, None, attention,
-                                      adapters)[0]
+                                      adapters, segments)[0]
 
-  return recompute_in_backward(pure)(state, x, positions, valid)
+  return recompute_in_backward(pure)(state, x, positions, valid, segments)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
@@ -191,10 +192,11 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BxTxD, positions_BxT, rope_table, k_BxKxHdxS, v_BxKxSxHd, valid_BxS,
-               offset, write_index, attention: tuple[str, int], adapters: bool):
+               offset, write_index, attention: tuple[str, int], adapters: bool, segments_BxS=None):
     """Writes this block's keys/values at `write_index` (None: no cache) and attends: query t
-    (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS`, by the resolved
-    `attention` (implementation, block size) (a one-token step: the plain path or decode kernel)."""
+    (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS` (and of its own
+    segment, given `segments_BxS`), by the resolved `attention` (implementation, block size)
+    (a one-token step: the plain path or decode kernel)."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters)
@@ -218,11 +220,13 @@ class Attention(nnx.Module):
         and q.dtype == keys.dtype == values.dtype == jnp.float32):
       out = kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
     elif attention[0] == "plain" or t == 1:
-      out = _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t))
+      out = _attention.attend(q, keys, values,
+                              _attention.visible(valid_BxS, offset, t, segments_BxS))
     elif attention[0] == "blockwise":
-      out = _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1])
+      out = _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1],
+                                 segments_BxS=segments_BxS)
     else:
-      out = _attention.cudnn(q, keys, values, valid_BxS, offset)
+      out = _attention.cudnn(q, keys, values, valid_BxS, offset, segments_BxS=segments_BxS)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o(out, adapters), keys, values
 
@@ -250,10 +254,10 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, lora, rngs)
 
   def __call__(self, x, positions, rope_table, k, v, valid, offset, write_index,
-               attention: tuple[str, int], adapters: bool):
+               attention: tuple[str, int], adapters: bool, segments=None):
     dtype = x.dtype
     h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, rope_table, k, v, valid,
-                        offset, write_index, attention, adapters)
+                        offset, write_index, attention, adapters, segments)
     x = x + h.astype(dtype)
     x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters).astype(dtype)
     return x, k, v
@@ -287,7 +291,8 @@ class Qwen2(nnx.Module):
                       preferred_element_type=jnp.float32)
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: Cache | None = None, *,
-               adapters: bool = True, rope_table: tuple[jax.Array, jax.Array] | None = None):
+               adapters: bool = True, rope_table: tuple[jax.Array, jax.Array] | None = None,
+               segments_BxT=None):
     """Runs the decoder over `tokens_BxT`.
 
     Without a cache: causal attention within the batch, keys restricted to
@@ -296,6 +301,7 @@ class Qwen2(nnx.Module):
     every valid slot. Returns `(hidden_BxTxD, cache)` (the cache updated, or None).
     `rope_table` (from `rope_table(cfg, L)`) looks the rotary cos/sin up by position
     instead of computing them; positions must be < L (beyond it they read NaN).
+    `segments_BxT` (no cache): packed rows, a token attends only to its own segment's tokens.
     """
     cfg = self.cfg
     dtype = as_dtype(cfg.dtype)
@@ -306,6 +312,8 @@ class Qwen2(nnx.Module):
     attention = (_attention.resolve(cfg.attention, dtype), cfg.attention_block)
     if cache is None:
       write_index, valid, offset = None, mask_BxT, 0
+    elif segments_BxT is not None:
+      raise ValueError("segments_BxT: packed rows run without a cache")
     else:
       write_index = cache["index"]
       slots = cache["valid"].shape[1]
@@ -319,12 +327,13 @@ class Qwen2(nnx.Module):
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       if cache is None and cfg.remat:  # remat matters for the backward pass (no cache)
-        x, k, v = _remat_block(layer, x, positions_BxT, valid, attention, adapters), None, None
+        x = _remat_block(layer, x, positions_BxT, valid, segments_BxT, attention, adapters)
+        k = v = None
       else:
         ck = cache["k"][i] if cache is not None else None
         cv = cache["v"][i] if cache is not None else None
         x, k, v = layer(x, positions_BxT, rope_table, ck, cv, valid, offset, write_index,
-                        attention, adapters)
+                        attention, adapters, segments_BxT)
       x = _constrain(x)
       new_k.append(k)
       new_v.append(v)

@@ -105,6 +105,13 @@ class TrainLoopConfig:
   # reuse_sampler_logprobs): score, reference pass, advantage and update in one program, the
   # update's forward standing in for the scoring pass. Other settings keep separate programs.
   fused_update: bool = True
+  # Padding-free scoring and update (training/packing.py): the prompt + completion sequences
+  # of a batch run packed side by side in rows of `packing_length` tokens, attention kept
+  # within each sequence, instead of each padded to the longest. The same log-probs and loss.
+  # Off by default: docs/benchmarks.md ("Packing") has where it wins.
+  packing: bool = False
+  packing_length: int = 0  # tokens per packed row; 0: the longest prompt (training or held-out)
+  # plus sampling.max_new_tokens
   max_consecutive_skips: int = 5  # non-finite updates in a row before the run stops
   max_samples: int = 0  # stop once this many completions were sampled (0: no limit)
 
@@ -117,6 +124,13 @@ class TrainLoopConfig:
       raise UserError("train.output_dir: empty (an unset shell variable?); name a directory")
     if self.max_samples < 0:
       raise UserError(f"train.max_samples: must be >= 0, got {self.max_samples}")
+    if not isinstance(self.packing, bool):
+      raise UserError(f"train.packing: must be a bool, got {self.packing!r}")
+    if self.packing_length < 0:
+      raise UserError(f"train.packing_length: must be >= 0, got {self.packing_length}")
+    if self.packing and self.grad_accumulation > 1:
+      raise UserError("train.packing: does not combine with train.grad_accumulation > 1 (the "
+                       "micro-batches slice padded rows); set one of them off")
     rows = self.prompts_per_step * self.num_generations
     if rows % self.mini_batches:
       raise UserError(f"train.mini_batches: {self.mini_batches} does not divide the "

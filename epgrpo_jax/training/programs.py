@@ -24,16 +24,19 @@ from epgrpo_jax.parallel.distributed import place
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint
 from epgrpo_jax.training.advantage_program import advantage_step
+from epgrpo_jax.training.packing import Packing
 
 
 @struct.dataclass
 class Rollout:
-  """Flattened rows (B = prompts x samples) of prompts and sampled completions."""
+  """Flattened rows (B = prompts x samples) of prompts and sampled completions; with
+  `packing`, the forward passes run over its packed rows instead (`training/packing.py`)."""
 
   prompt_ids: jax.Array  # [B, Tp] int32, left-padded
   prompt_mask: jax.Array  # [B, Tp] bool
   completion: jax.Array  # [B, N] int32
   completion_mask: jax.Array  # [B, N] bool
+  packing: Packing | None = None
 
 
 @struct.dataclass
@@ -76,17 +79,25 @@ def completion_logprobs(model: Qwen2, rollout: Rollout, *, temperature: float,
   """Per-token log-prob and entropy of each completion under `model` ([B, N] float32).
 
   One forward over prompt + completion (minus its last token); the hidden state
-  before each completion token predicts it, at `temperature` as sampled.
+  before each completion token predicts it, at `temperature` as sampled. With
+  `rollout.packing`, the forward runs over the packed rows, and each token's values return to
+  the [B, N] layout (0 where the completion mask is false).
   """
+  kw = dict(temperature=temperature, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+  if rollout.packing is not None:
+    p = rollout.packing
+    hidden_RxLxD, _ = model(p.tokens, p.positions, p.segments > 0, adapters=adapters,
+                            segments_BxT=p.segments)
+    per_slot = losses.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
+    mask_BxN = rollout.completion_mask
+    return tuple(jnp.where(mask_BxN, x_RxL.reshape(-1)[p.index], 0.0) for x_RxL in per_slot)
   tp = rollout.prompt_ids.shape[1]
   tokens_BxL = jnp.concatenate([rollout.prompt_ids, rollout.completion], axis=1)[:, :-1]
   mask_BxL = jnp.concatenate([rollout.prompt_mask, rollout.completion_mask], axis=1)[:, :-1]
   positions_BxL = jnp.maximum(jnp.cumsum(mask_BxL, axis=1) - 1, 0)
   hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters)
   hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
-  return losses.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion,
-                                      temperature=temperature, token_chunk=token_chunk,
-                                      vocab_chunk=vocab_chunk)
+  return losses.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
 
 
 def reference_logprobs(graphdef, trainable: nnx.State, frozen: nnx.State,
@@ -308,7 +319,8 @@ class StepShardings:
   """Where the arguments and results of the step programs live on a mesh.
 
   States follow `sharding.state_shardings` (optimizer moments like their
-  parameters); per-sequence arrays [B, ...] are split over data x fsdp.
+  parameters); per-sequence arrays [B, ...] and packed rows [R, L] are split over data x
+  fsdp. `packed`: the programs' rollouts carry a `Packing`.
   """
 
   mesh: jax.sharding.Mesh
@@ -316,13 +328,14 @@ class StepShardings:
   frozen: Any
   reference: Any
   opt_state: Any
+  packed: bool = False
 
   @classmethod
   def create(cls, policy: Policy, tx: optax.GradientTransformation,
-             mesh: jax.sharding.Mesh) -> "StepShardings":
+             mesh: jax.sharding.Mesh, packed: bool = False) -> "StepShardings":
     of = lambda state: None if state is None else sharding.state_shardings(state, mesh)
     return cls(mesh, of(policy.trainable), of(policy.frozen), of(policy.reference),
-               of(jax.eval_shape(tx.init, policy.trainable)))
+               of(jax.eval_shape(tx.init, policy.trainable)), packed)
 
   @property
   def rows(self) -> jax.sharding.NamedSharding:
@@ -333,7 +346,8 @@ class StepShardings:
     return sharding.replicated(self.mesh)
 
   def rollout(self) -> Rollout:
-    return Rollout(self.rows, self.rows, self.rows, self.rows)
+    packing = Packing(*(self.rows,) * 5) if self.packed else None
+    return Rollout(self.rows, self.rows, self.rows, self.rows, packing)
 
   def update_batch(self) -> UpdateBatch:
     return UpdateBatch(self.rollout(), self.rows, self.rows, self.rows)

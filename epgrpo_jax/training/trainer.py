@@ -34,6 +34,7 @@ from epgrpo_jax.rollout.sampling import Sampler, bucket
 from epgrpo_jax.training import programs
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.config import TrainConfig
+from epgrpo_jax.training.packing import pack
 from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
 from epgrpo_jax.training.rollouts import (Collected, SampledRound, group_has_signal, merge_rewards, merge_rounds,
                                           select_groups, step_metrics, truncated_rows)
@@ -116,6 +117,12 @@ class Trainer:
       raise UserError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
                        f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
                        f"{model_cfg.max_position_embeddings} tokens")
+    # A packed row holds any one sequence: a prompt and its completion, less its last token.
+    self.packing_length = t.packing_length or longest + cfg.sampling.max_new_tokens
+    if t.packing and self.packing_length < longest + cfg.sampling.max_new_tokens - 1:
+      raise UserError(f"train.packing_length: {t.packing_length} tokens cannot hold the longest "
+                       f"prompt plus sampling.max_new_tokens - 1 "
+                       f"({longest + cfg.sampling.max_new_tokens - 1} tokens)")
     self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
     if not self.eos_ids:
       raise UserError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
@@ -138,7 +145,7 @@ class Trainer:
     # One program per on-policy update: the scoring pass is the update's own forward.
     self.fused = (t.fused_update and on_policy and t.grad_accumulation == 1
                   and not t.reuse_sampler_logprobs)
-    self.shardings = StepShardings.create(self.policy, self.tx, self.mesh)
+    self.shardings = StepShardings.create(self.policy, self.tx, self.mesh, packed=t.packing)
     self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
                              temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
@@ -252,10 +259,10 @@ class Trainer:
     loss_mask_BxN = completion_mask_BxN
     if cfg.loss.mask_truncated_completions:
       loss_mask_BxN = completion_mask_BxN & ~truncated_B[:, None]
-    rollout = distributed.place(Rollout(
+    rollout = distributed.place(self.packed(Rollout(
         prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
         prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
-        completion=completion_BxN, completion_mask=loss_mask_BxN), self.shardings.rollout())
+        completion=completion_BxN, completion_mask=loss_mask_BxN)), self.shardings.rollout())
 
     # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
     logp_old = entropy = logp_ref = None
@@ -308,8 +315,9 @@ class Trainer:
     else:
       batch = UpdateBatch(rollout=c.rollout, logp_old=c.logp_old, logp_ref=c.logp_ref,
                           advantage=c.advantage.reshape(P * G, -1))
+      mini_batches = self.mini_batches(batch)
       for _ in range(t.num_iterations):
-        for mb in split_rows(batch, t.mini_batches):
+        for mb in mini_batches:
           trainable, opt_state, m = self.fns.update(trainable, opt_state, self.policy.frozen, mb,
                                                     micro_batches=t.grad_accumulation)
           update_metrics.append(m)
@@ -430,6 +438,25 @@ class Trainer:
     return batch, kept_texts, rewards, metrics
 
   # -- helpers ----------------------------------------------------------------------------
+
+  def packed(self, rollout: Rollout) -> Rollout:
+    """`rollout` with its `Packing` (built on the host) under train.packing, else as it is."""
+    if not self.cfg.train.packing:
+      return rollout
+    host = distributed.to_host(rollout)
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    return host.replace(packing=pack(host.prompt_ids, host.prompt_mask, host.completion,
+                                     host.completion_mask, row_length=self.packing_length,
+                                     multiple=shards))
+
+  def mini_batches(self, batch: UpdateBatch) -> list[UpdateBatch]:
+    """The update's `train.mini_batches` row slices of `batch`; packed rollouts are packed
+    again per slice."""
+    t = self.cfg.train
+    if not t.packing or t.mini_batches == 1:
+      return split_rows(batch, t.mini_batches)
+    padded = batch.replace(rollout=batch.rollout.replace(packing=None))
+    return [mb.replace(rollout=self.packed(mb.rollout)) for mb in split_rows(padded, t.mini_batches)]
 
   def gold(self, example: pipeline.Example):
     """The parsed gold answer, cached by the answer text itself: ids may repeat across files."""
