@@ -303,19 +303,25 @@ NAN_AT = {3, 5, 6}  # optimizer updates (= steps here) whose gradients get a NaN
 
 
 class FaultyTrainer(trainer_mod.Trainer):
-  """The real trainer, with NaN advantages in the batches of the updates in `NAN_AT` (so their
-  loss and gradients are NaN), passed to the real update."""
+  """The real trainer, with NaN advantages in the updates in `NAN_AT` (so their loss and
+  gradients are NaN), passed to the real update: NaN advantages in the batch of a separate
+  update, NaN rewards (hence advantages) into the fused one."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
-    update, calls = self.fns.update, itertools.count(1)
+    update, fused_update, calls = self.fns.update, self.fns.fused_update, itertools.count(1)
 
     def faulty(trainable, opt_state, frozen, batch, **update_kwargs):
       if next(calls) in NAN_AT:
         batch = batch.replace(advantage=batch.advantage * jnp.nan)
       return update(trainable, opt_state, frozen, batch, **update_kwargs)
 
-    self.fns.update = faulty
+    def faulty_fused(trainable, opt_state, frozen, reference, rollout, rewards_PxG):
+      if next(calls) in NAN_AT:
+        rewards_PxG = rewards_PxG * np.nan
+      return fused_update(trainable, opt_state, frozen, reference, rollout, rewards_PxG)
+
+    self.fns.update, self.fns.fused_update = faulty, faulty_fused
 
 
 def test_nan_gradient_skips_the_update_and_repeated_ones_stop_the_run(task, tmp_path, capsys,

@@ -69,6 +69,7 @@ def run(task, out_dir, mesh) -> dict:
   """Greedy tokens, then 3 RL steps: metrics, each step's advantage inputs and output, final
   weights, and the live arrays (for their shardings)."""
   trainer = Trainer(config(task, out_dir), mesh=mesh)
+  assert trainer.fused  # the default: one program per update
   calls = []
   program = trainer.advantage_fn
 
@@ -78,6 +79,20 @@ def run(task, out_dir, mesh) -> dict:
     return out
 
   trainer.advantage_fn = recorded
+  fused_update = trainer.fns.fused_update
+
+  def recorded_fused(trainable, opt_state, frozen, reference, rollout, rewards_PxG):
+    """The fused update (the default) computes the advantage inside its program: record the
+    same inputs and output from what it returns."""
+    out = fused_update(trainable, opt_state, frozen, reference, rollout, rewards_PxG)
+    scored, groups = out[3], lambda x: np.asarray(x).reshape(*np.shape(rewards_PxG), -1)
+    calls.append({"inputs": [np.asarray(rewards_PxG), groups(scored.entropy),
+                             groups(scored.logp_old), groups(scored.logp_ref),
+                             groups(rollout.completion_mask)],
+                  "advantage": np.asarray(scored.advantage)})
+    return out
+
+  trainer.fns.fused_update = recorded_fused
   try:
     state = trainer.initial_state()
     greedy = Sampler(SamplingConfig(greedy=True, max_new_tokens=16, length_buckets=(16,)),
