@@ -205,7 +205,6 @@ def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
   logp_ref = jax.lax.stop_gradient(reference_logprobs(
       graphdef, trainable, frozen, reference, rollout, temperature=temperature))
   to_groups = lambda x: x.reshape(P, G, -1)
-
   same = policy_is_reference(trainable, reference)
 
   def loss_fn(tr):

@@ -265,15 +265,13 @@ class Trainer:
         completion=completion_BxN, completion_mask=loss_mask_BxN)), self.shardings.rollout())
 
     # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
-    logp_old = entropy = logp_ref = None
-    if not score:
-      pass  # the fused update scores
-    elif t.reuse_sampler_logprobs:
+    logp_old = entropy = logp_ref = None  # without `score`, the fused update scores
+    if score and t.reuse_sampler_logprobs:
       logp_old, entropy = (distributed.put(x, self.shardings.rows)
                            for x in (sample_logp_BxN, sample_entropy_BxN))
       logp_ref = self.fns.reference(state.trainable, self.policy.frozen, self.policy.reference,
                                     rollout)
-    else:
+    elif score:
       logp_old, entropy, logp_ref = self.fns.score(state.trainable, self.policy.frozen,
                                                    self.policy.reference, rollout)
     if rewards is None:
