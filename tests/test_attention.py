@@ -41,10 +41,23 @@ def _left_padded(b, s, seed):
   return jnp.asarray(valid)
 
 
-def _value_and_grads(fn, q, keys, values, weights):
-  """The output and the grads of q, keys and values for the cotangent `weights`."""
+def _value_and_grads(fn, q, keys, values, weights, seen_BxT=None):
+  """The output and the grads of q, keys and values for the cotangent `weights`.
+
+  Given `seen_BxT` (queries with a visible slot), the outputs of the others are zeroed and get
+  no cotangent: their value is only required to be finite (the model never reads it).
+  """
+  if seen_BxT is None:
+    out, vjp = jax.vjp(fn, q, keys, values)
+    return out, vjp(weights)
+  seen = seen_BxT[:, None, None, :, None]
   out, vjp = jax.vjp(fn, q, keys, values)
-  return out, vjp(weights)
+  return jnp.where(seen, out, 0.0), vjp(jnp.where(seen, weights, 0.0))
+
+
+def _seen(valid, offset, t):
+  """[B, T]: the queries that see at least one slot."""
+  return _attention.visible(valid, offset, t).any(-1)
 
 
 class BlockwiseTest(chex.TestCase):
@@ -57,27 +70,36 @@ class BlockwiseTest(chex.TestCase):
     for block in (5,):
       q, keys, values, weights = _inputs(b, k, g, t, t, hd, seed=block)
       valid = _left_padded(b, t, seed=block)
+      seen = _seen(valid, 0, t)
       plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, 0, t))
-      want = _value_and_grads(plain, q, keys, values, weights)
+      want = _value_and_grads(plain, q, keys, values, weights, seen)
       got = self.variant(lambda q, kk, v, w, block=block, valid=valid: _value_and_grads(
-          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 0, block=block), q, kk, v, w))(
-              q, keys, values, weights)
+          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 0, block=block), q, kk, v, w,
+          seen))(q, keys, values, weights)
       chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+      assert np.isfinite(np.asarray(_attention.blockwise(q, keys, values, valid, 0,
+                                                         block=block))).all()
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_queries_behind_an_offset_equal_plain(self):
-    # A cache prefill: 5 queries at slots 4..8 of 13 (later slots are not yet written), blocks
-    # of 7.
+    # A cache prefill: 5 queries at slots 4..8 of 13 (later slots are not yet written).
     b, k, g, t, s, hd = 3, 1, 2, 5, 13, 4
     q, keys, values, weights = _inputs(b, k, g, t, s, hd, seed=3)
     valid = _left_padded(b, s, seed=3)
-    offset = jnp.int32(4)
-    plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, offset, t))
-    want = _value_and_grads(plain, q, keys, values, weights)
-    got = self.variant(lambda q, kk, v, w, off: _value_and_grads(
-        lambda q, kk, v: _attention.blockwise(q, kk, v, valid, off, block=7), q, kk, v, w))(
-            q, keys, values, weights, offset)
-    chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+    seen = _seen(valid, 4, t)
+    plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, 4, t))
+    want = _value_and_grads(plain, q, keys, values, weights, seen)
+    # A traced offset (the cache's write index) scans every slot; a Python int skips the slots
+    # after each query block (blocks of 2 queries: 3 blocks seeing 6, 8 and 9 slots).
+    for block in (7, 2):
+      got = self.variant(lambda q, kk, v, w, off, block=block: _value_and_grads(
+          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, off, block=block), q, kk, v, w,
+          seen))(q, keys, values, weights, jnp.int32(4))
+      chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
+      got = self.variant(lambda q, kk, v, w, block=block: _value_and_grads(
+          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 4, block=block), q, kk, v, w,
+          seen))(q, keys, values, weights)
+      chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_jax_nn_reference_equals_plain_where_a_key_is_visible(self):

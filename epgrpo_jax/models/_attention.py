@@ -10,17 +10,21 @@ segment: `segments_BxS[b, s] == segments_BxS[b, offset + t]`:
 
 - "plain" materialises the [B, K, G, T, S] scores (`attend`); fastest at small T,
   and the one-token decode step always takes it.
-- "blockwise" loops over key blocks with an online softmax (flash-style, pure XLA);
-  a custom VJP saves only the output and two row statistics and recomputes each
-  block's probabilities in the backward pass, so that no [T, S] scores are kept:
-  with `loop="scan"` one [B, K, G, T, Bk] block lives at a time, memory
-  O(T * (Hd + Bk)) per head; the model's fenced unrolled loop (`_loop`) leaves the
-  scheduling of the blocks' buffers to XLA.
+- "blockwise" runs blocks of queries one after the other and, within each, loops over
+  key blocks with an online softmax (flash-style, pure XLA); a custom VJP per query
+  block saves only its output and two row statistics and recomputes each block's
+  probabilities in the backward pass, so that no [T, S] scores are kept: one
+  [B, K, G, Bq, Bk] block at a time is the aim, which `loop="scan"` guarantees within
+  a query block and the model's fenced unrolled loop (`_loop`) leaves to XLA's
+  scheduler. Key blocks wholly after a query block's last query are skipped when the
+  query offset is a Python int.
 - "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash
   attention; GPU, bf16/fp16 only).
 
-A query with no visible slot (left padding) gets uniform weights over all S slots
-in "plain" and "blockwise" alike (the mask is finite), not NaN.
+A query with no visible slot (left padding) gets a finite output, not NaN: uniform
+weights over all S slots in "plain", over the slots its query block scans in
+"blockwise". The model never reads such a query's output (its slot is not a valid key,
+and losses mask it), so only queries that see a slot are held to equal values.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models._config import ATTENTION as IMPLEMENTATIONS
@@ -214,19 +219,35 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 def blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
               block: int = 512, loop: str = "unrolled", segments_BxS=None):
-  """`attend(q, keys, values, visible(valid_BxS, offset, T, segments_BxS))` over key blocks of
-  `block` slots, never materialising [T, S] scores in the forward or the backward pass; `loop`
-  "unrolled" or "scan" (`_loop`)."""
+  """`attend(q, keys, values, visible(valid_BxS, offset, T, segments_BxS))` over blocks of
+  `block` queries x `block` keys, never materialising [T, S] scores in the forward or the
+  backward pass; `loop` "unrolled" or "scan" (`_loop`, the key blocks).
+
+  Query blocks run one after the other (each fenced after the previous one's output), each
+  with its own custom VJP, so one block's [B, K, G, Bq, Bk] scores live at a time. With a
+  Python-int `offset` (training and scoring), a query block only sees the key slots up to its
+  last query, and the slots after it are left out of its loop (causal block skipping).
+  """
   if loop not in ("unrolled", "scan"):
     raise ValueError(f"blockwise: loop must be 'unrolled' or 'scan', got {loop!r}")
   if block <= 0:
     raise ValueError(f"model.attention_block: must be > 0, got {block}")
-  block = min(block, keys_BxKxHdxS.shape[-1])
-  offset = jnp.asarray(offset, jnp.int32)
   if segments_BxS is None:  # one segment: every comparison holds
     segments_BxS = jnp.zeros(valid_BxS.shape, jnp.int32)
-  return _blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS.astype(bool),
-                    segments_BxS.astype(jnp.int32), offset, block, loop)
+  valid_BxS, segments_BxS = valid_BxS.astype(bool), segments_BxS.astype(jnp.int32)
+  t, s = q_BxKxGxTxHd.shape[3], keys_BxKxHdxS.shape[-1]
+  static = isinstance(offset, (int, np.integer))
+  outs = []
+  for start in range(0, t, block):
+    stop = min(t, start + block)
+    q_chunk = q_BxKxGxTxHd[:, :, :, start:stop]
+    if outs:  # fence: this block starts after the previous block's output exists
+      q_chunk, _ = jax.lax.optimization_barrier((q_chunk, outs[-1]))
+    seen = min(s, int(offset) + stop) if static else s  # slots past `seen` are in the future
+    outs.append(_blockwise(q_chunk, keys_BxKxHdxS[..., :seen], values_BxKxSxHd[:, :, :seen],
+                           valid_BxS[:, :seen], segments_BxS[:, :seen],
+                           jnp.asarray(offset + start, jnp.int32), min(block, seen), loop))
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
 
 
 def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,

@@ -145,6 +145,13 @@ class Trainer:
     # One program per on-policy update: the scoring pass is the update's own forward.
     self.fused = (t.fused_update and on_policy and t.grad_accumulation == 1
                   and not t.reuse_sampler_logprobs)
+    if self.fused and t.packing and self.mesh.shape["fsdp"] > 1 and self.mesh.shape["tensor"] > 1:
+      # The packed fused program deadlocked in its collectives on XLA:CPU on such meshes
+      # (docs/distributed.md, "Packing on a mesh"); the separate programs give the same update.
+      log.warning("train.fused_update: separate programs, not one, with train.packing on a mesh "
+                  "with fsdp %d and tensor %d > 1", self.mesh.shape["fsdp"],
+                  self.mesh.shape["tensor"])
+      self.fused = False
     self.shardings = StepShardings.create(self.policy, self.tx, self.mesh, packed=t.packing)
     self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
