@@ -18,7 +18,7 @@ from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import LoraConfig, _attention
 from epgrpo_jax.training import programs
 from epgrpo_jax.training.config import TrainConfig
-from epgrpo_jax.training.packing import num_rows, pack
+from epgrpo_jax.training.packing import num_rows, pack, pack_micro_batches, with_rows
 from epgrpo_jax.training.trainer import Trainer
 
 from helpers import Events, arithmetic_task, random_model, rl_step_config, tiny_config
@@ -66,6 +66,48 @@ def test_row_count_buckets():
   assert [num_rows(n) for n in range(14)] == [1, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
   assert num_rows(3, multiple=4) == 4 and num_rows(1, multiple=4) == 4
   assert num_rows(5, multiple=6) == 6 and num_rows(7, multiple=6) == 12
+
+
+# The literal batch and a fourth sequence: prompt [3, 2] + completion [16, 17, 18, 19].
+PROMPT_IDS_4, PROMPT_MASK_4 = PROMPT_IDS + [[0, 3, 2]], PROMPT_MASK + [[0, 1, 1]]
+COMPLETION_4, COMPLETION_MASK_4 = COMPLETION + [[16, 17, 18, 19]], COMPLETION_MASK + [[1] * 4]
+
+
+def _micro(x, k):
+  """[k, R / k, ...]: `programs.accumulated_gradients`' split of a batch into k micro-batches."""
+  return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+
+
+def test_literal_micro_batches_interleave_rows():
+  # Micro-batch 0: sequences 0 and 2 (4 and 2 slots: two rows of 5); micro-batch 1: sequences
+  # 1 (nothing to score) and 3 (5 slots: one row, and one empty to match).
+  p = pack_micro_batches(np.asarray(PROMPT_IDS_4), np.asarray(PROMPT_MASK_4, bool),
+                         np.asarray(COMPLETION_4), np.asarray(COMPLETION_MASK_4, bool),
+                         micro_batches=2, row_length=5)
+  np.testing.assert_array_equal(p.tokens, [[5, 6, 10, 11, 0], [3, 2, 16, 17, 18],
+                                           [4, 14, 0, 0, 0], [0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(p.segments, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1],
+                                             [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+  # Slots within each micro-batch's own two rows of 5.
+  np.testing.assert_array_equal(p.index, [[1, 2, 3, 0], [0, 0, 0, 0], [5, 6, 0, 0],
+                                          [1, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("k,multiple", [(1, 1), (2, 1), (2, 4), (3, 2), (4, 3)])
+def test_micro_batches_split_into_their_own_packing(k, multiple):
+  """After `accumulated_gradients`' split, micro-batch i is `pack` of sequences i, i + k, ...
+  alone, with empty rows up to a row count shared by all; k = 1 is `pack`."""
+  batch = _random_batch(np.random.default_rng(k * 10 + multiple))
+  p = pack_micro_batches(*batch, micro_batches=k, row_length=16, multiple=multiple)
+  rows = p.tokens.shape[0] // k
+  assert p.tokens.shape[0] == rows * k and rows % multiple == 0 and rows == num_rows(rows)
+  split = jax.tree.map(lambda x: _micro(x, k), p)
+  for i in range(k):
+    alone = pack(*(x[i::k] for x in batch), row_length=16)
+    assert alone.tokens.shape[0] <= rows
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], split), with_rows(alone, rows))
+  if k == 1:
+    chex.assert_trees_all_equal(p, pack(*batch, row_length=16, multiple=multiple))
 
 
 def _random_batch(rng, b=12, tp=6, n=9):
@@ -237,6 +279,26 @@ def test_loss_and_gradients_equal_padded(aggregation):
 
 
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_accumulated_gradients_equal_padded(aggregation):
+  """Gradient accumulation over 2 micro-batches, each packed apart: the padded batch's loss,
+  metrics and gradients, in 2 micro-batches or in one pass."""
+  padded, _ = _rollouts(seed=5)
+  packing = pack_micro_batches(padded.prompt_ids, padded.prompt_mask, padded.completion,
+                               padded.completion_mask, micro_batches=2, row_length=32)
+  packed = padded.replace(packing=jax.tree.map(jnp.asarray, packing))
+  policy = _policy(attention="plain")
+  trainable = jax.tree.map(lambda x: x + 0.05, policy.trainable)  # every adapter has a gradient
+  grads = lambda k: jax.jit(functools.partial(
+      programs.accumulated_gradients, policy.graphdef, micro_batches=k,
+      loss_cfg=LossConfig(aggregation=aggregation, beta=0.04), temperature=1.0, on_policy=False))
+  got = grads(2)(trainable, policy.frozen, _update_batch(packed))
+  for k in (2, 1):
+    want = grads(k)(trainable, policy.frozen, _update_batch(padded))
+    chex.assert_trees_all_close(got, want, atol=ATOL, rtol=1e-5, custom_message=f"k={k}")
+  assert float(got[0]) != 0.0
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_fused_gradients_equal_padded(aggregation):
   """The fused update: scoring pass, reference pass, advantage ([P, G, N] groups), loss and
   gradients."""
@@ -275,22 +337,35 @@ TIMINGS = ("step_time", "sample_time", "update_time", "tokens_per_second",
            "sampling/tokens_per_second", "train/tokens_per_second")
 
 
-@pytest.mark.parametrize("fused", ["true", "false"], ids=["fused", "separate-programs"])
-def test_packed_training_step_equals_padded(task, tmp_path, fused):
-  """One training step (2 mini-batches on the separate path, each packed apart): the same
-  metrics packed and padded."""
-  extra = () if fused == "true" else ("train.mini_batches=2",)
-  runs = []
+@pytest.mark.parametrize("extra", [
+    (), ("train.fused_update=false", "train.mini_batches=2"), ("train.grad_accumulation=2",),
+    # 32 sequences: 8 per micro-batch, one per batch shard (the tests' 8 CPU devices).
+    ("train.mini_batches=2", "train.grad_accumulation=2", "train.num_generations=8")],
+    ids=["fused", "separate-programs", "accumulation", "mini-batches-accumulation"])
+def test_packed_training_step_equals_padded(task, tmp_path, extra):
+  """One training step (fused; or separate programs: 2 mini-batches, 2 micro-batches or both,
+  each packed apart): the same metrics and new weights packed and padded."""
+  runs, weights = [], []
   for packing in ("true", "false"):
+    # No warm-up: the step moves the weights (its learning rate would be 0).
     trainer = Trainer(rl_step_config(task, tmp_path / packing, f"train.packing={packing}",
-                                     f"train.fused_update={fused}", f"reward.function="
-                                     f"{__name__}:digit_reward", "advantage.eps=1e-3", *extra))
+                                     f"reward.function={__name__}:digit_reward",
+                                     "advantage.eps=1e-3", "optim.warmup_ratio=0",
+                                     "optim.eps=1e-4", *extra))
     try:
-      assert trainer.fused == (fused == "true")
-      _, metrics, _ = trainer.step(trainer.initial_state())
+      assert trainer.fused == (not extra)
+      state = trainer.initial_state()
+      before = jax.device_get(state.trainable)
+      state, metrics, _ = trainer.step(state)
       runs.append({k: v for k, v in metrics.items() if k not in TIMINGS})
+      weights.append(jax.device_get(state.trainable))
     finally:
       trainer.close()
+  # Adam's first step divides each gradient by its size (here plus `optim.eps` 1e-4), which
+  # magnifies 1e-7 gradient rounding to ~1e-5 in the weights; the step moved them by ~1e-3.
+  moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), weights[1], before)
+  assert max(jax.tree.leaves(moved)) > 1e-3
+  chex.assert_trees_all_close(weights[0], weights[1], atol=1e-4, rtol=0)
   assert runs[0].keys() == runs[1].keys()
   bad = {k: (runs[0][k], runs[1][k]) for k in runs[0]
          if not np.allclose(runs[0][k], runs[1][k], atol=ATOL, rtol=ATOL)}
@@ -321,8 +396,8 @@ def test_steps_of_varying_lengths_compile_nothing(task, tmp_path):
 
 
 def test_config_errors(task, tmp_path):
-  with pytest.raises(UserError, match="train.packing: does not combine"):
-    TrainConfig().override("train.packing=true", "train.grad_accumulation=2")
+  accumulated = TrainConfig().override("train.packing=true", "train.grad_accumulation=2").train
+  assert accumulated.packing and accumulated.grad_accumulation == 2
   with pytest.raises(UserError, match="train.packing_length: must be >= 0"):
     TrainConfig().override("train.packing_length=-1")
   with pytest.raises(UserError, match="train.packing_length: 8 tokens cannot hold"):

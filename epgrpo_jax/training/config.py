@@ -108,6 +108,7 @@ class TrainLoopConfig:
   # Padding-free scoring and update (training/packing.py): the prompt + completion sequences
   # of a batch run packed side by side in rows of `packing_length` tokens, attention kept
   # within each sequence, instead of each padded to the longest. The same log-probs and loss.
+  # With grad_accumulation > 1, the update packs each micro-batch apart.
   # Off by default: docs/benchmarks.md ("Packing") has where it wins.
   packing: bool = False
   packing_length: int = 0  # tokens per packed row; 0: the longest prompt (training or held-out)
@@ -128,9 +129,6 @@ class TrainLoopConfig:
       raise UserError(f"train.packing: must be a bool, got {self.packing!r}")
     if self.packing_length < 0:
       raise UserError(f"train.packing_length: must be >= 0, got {self.packing_length}")
-    if self.packing and self.grad_accumulation > 1:
-      raise UserError("train.packing: does not combine with train.grad_accumulation > 1 (the "
-                       "micro-batches slice padded rows); set one of them off")
     rows = self.prompts_per_step * self.num_generations
     if rows % self.mini_batches:
       raise UserError(f"train.mini_batches: {self.mini_batches} does not divide the "

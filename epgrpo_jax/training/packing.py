@@ -14,6 +14,9 @@ room): few rows, and a deterministic layout. Their number rounds up to the next 
 3, 4, 6, 8, 12, 16, ... (powers of two and 1.5 times them; then to a multiple of the batch
 shards), so that a run compiles its programs for at most two row counts per doubling, and
 at most a third of the rows are empty. Host-side numpy.
+
+With gradient accumulation (`train.grad_accumulation` = k), `pack_micro_batches` packs each
+micro-batch apart into rows laid out the way `programs.accumulated_gradients` splits a batch.
 """
 
 from __future__ import annotations
@@ -100,6 +103,40 @@ def pack(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, completion_mask_BxN,
     targets_RxL[r, predicting] = completion[b, scored_N]
     index_BxN[b, scored_N] = r * row_length + predicting
   return Packing(tokens_RxL, positions_RxL, segments_RxL, targets_RxL, index_BxN)
+
+
+def pack_micro_batches(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, completion_mask_BxN,
+                       *, micro_batches: int, row_length: int, multiple: int = 1) -> Packing:
+  """`pack` of each of k micro-batches apart (micro-batch i: sequences i, i + k, ...), in the
+  layout `programs.accumulated_gradients` splits: k x R_m rows, row j * k + i being row j of
+  micro-batch i, and each sequence's `index` a slot of its own micro-batch's [R_m, L] rows.
+
+  R_m, the same for every micro-batch, is the most rows one needs, bucketed (`num_rows`) and
+  a multiple of `multiple`. micro_batches = 1 gives `pack`'s layout.
+  """
+  k = micro_batches
+  batch = [np.asarray(x) for x in (prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN,
+                                   completion_mask_BxN)]
+  if len(batch[0]) % k:
+    raise ValueError(f"packing: {k} micro-batches do not divide {len(batch[0])} sequences")
+  packs_K = [pack(*(x[i::k] for x in batch), row_length=row_length) for i in range(k)]
+  rows = num_rows(max(p.tokens.shape[0] for p in packs_K), multiple)
+  return jax.tree.map(lambda *parts_K: interleave(parts_K),
+                      *(with_rows(p, rows) for p in packs_K))
+
+
+def with_rows(packing: Packing, rows: int) -> Packing:
+  """`packing` with empty rows appended up to `rows` (its `index` holds as it is)."""
+  grow = lambda x_RxL: np.pad(x_RxL, ((0, rows - x_RxL.shape[0]), (0, 0)))
+  return packing.replace(tokens=grow(packing.tokens), positions=grow(packing.positions),
+                         segments=grow(packing.segments), targets=grow(packing.targets))
+
+
+def interleave(parts_K) -> np.ndarray:
+  """Rows of k equal-shaped arrays, row j of part i at j * k + i: the inverse of
+  `accumulated_gradients`' split `x.reshape(-1, k, ...).swapaxes(0, 1)`."""
+  stacked = np.stack(parts_K, axis=1)  # [R, k, ...]
+  return stacked.reshape(-1, *stacked.shape[2:])
 
 
 def fill(packing: Packing) -> float:

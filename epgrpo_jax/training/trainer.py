@@ -34,7 +34,7 @@ from epgrpo_jax.rollout.sampling import Sampler, bucket
 from epgrpo_jax.training import programs
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.config import TrainConfig
-from epgrpo_jax.training.packing import pack
+from epgrpo_jax.training.packing import pack_micro_batches
 from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
 from epgrpo_jax.training.rollouts import (Collected, SampledRound, group_has_signal, merge_rewards, merge_rounds,
                                           select_groups, step_metrics, truncated_rows)
@@ -444,24 +444,27 @@ class Trainer:
 
   # -- helpers ----------------------------------------------------------------------------
 
-  def packed(self, rollout: Rollout) -> Rollout:
-    """`rollout` with its `Packing` (built on the host) under train.packing, else as it is."""
+  def packed(self, rollout: Rollout, micro_batches: int = 1) -> Rollout:
+    """`rollout` with its `Packing` (built on the host) under train.packing, else as it is;
+    `micro_batches` > 1: each micro-batch of the update packed apart (`pack_micro_batches`),
+    a layout only `fns.update(..., micro_batches=...)` reads."""
     if not self.cfg.train.packing:
       return rollout
     host = distributed.to_host(rollout)
     shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    return host.replace(packing=pack(host.prompt_ids, host.prompt_mask, host.completion,
-                                     host.completion_mask, row_length=self.packing_length,
-                                     multiple=shards))
+    return host.replace(packing=pack_micro_batches(
+        host.prompt_ids, host.prompt_mask, host.completion, host.completion_mask,
+        micro_batches=micro_batches, row_length=self.packing_length, multiple=shards))
 
   def mini_batches(self, batch: UpdateBatch) -> list[UpdateBatch]:
     """The update's `train.mini_batches` row slices of `batch`; packed rollouts are packed
-    again per slice."""
+    again per slice, into its `train.grad_accumulation` micro-batches' rows."""
     t = self.cfg.train
-    if not t.packing or t.mini_batches == 1:
+    if not t.packing or t.mini_batches * t.grad_accumulation == 1:
       return split_rows(batch, t.mini_batches)
     padded = batch.replace(rollout=batch.rollout.replace(packing=None))
-    return [mb.replace(rollout=self.packed(mb.rollout)) for mb in split_rows(padded, t.mini_batches)]
+    return [mb.replace(rollout=self.packed(mb.rollout, t.grad_accumulation))
+            for mb in split_rows(padded, t.mini_batches)]
 
   def gold(self, example: pipeline.Example):
     """The parsed gold answer, cached by the answer text itself: ids may repeat across files."""
