@@ -5,6 +5,8 @@ float32 throughout; tiny shapes so that the whole file runs in seconds on CPU.
 
 from __future__ import annotations
 
+import itertools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -47,11 +49,10 @@ def _value_and_grads(fn, q, keys, values, weights, seen_BxT=None):
   Given `seen_BxT` (queries with a visible slot), the outputs of the others are zeroed and get
   no cotangent: their value is only required to be finite (the model never reads it).
   """
+  out, vjp = jax.vjp(fn, q, keys, values)
   if seen_BxT is None:
-    out, vjp = jax.vjp(fn, q, keys, values)
     return out, vjp(weights)
   seen = seen_BxT[:, None, None, :, None]
-  out, vjp = jax.vjp(fn, q, keys, values)
   return jnp.where(seen, out, 0.0), vjp(jnp.where(seen, weights, 0.0))
 
 
@@ -89,15 +90,11 @@ class BlockwiseTest(chex.TestCase):
     seen = _seen(valid, 4, t)
     plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, 4, t))
     want = _value_and_grads(plain, q, keys, values, weights, seen)
-    # A traced offset (the cache's write index) scans every slot; a Python int skips the slots
+    # An array offset (the cache's write index) scans every slot; a Python int skips the slots
     # after each query block (blocks of 2 queries: 3 blocks seeing 6, 8 and 9 slots).
-    for block in (7, 2):
-      got = self.variant(lambda q, kk, v, w, off, block=block: _value_and_grads(
-          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, off, block=block), q, kk, v, w,
-          seen))(q, keys, values, weights, jnp.int32(4))
-      chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
-      got = self.variant(lambda q, kk, v, w, block=block: _value_and_grads(
-          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, 4, block=block), q, kk, v, w,
+    for block, offset in itertools.product((7, 2), (jnp.int32(4), 4)):
+      got = self.variant(lambda q, kk, v, w, block=block, offset=offset: _value_and_grads(
+          lambda q, kk, v: _attention.blockwise(q, kk, v, valid, offset, block=block), q, kk, v, w,
           seen))(q, keys, values, weights)
       chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
 

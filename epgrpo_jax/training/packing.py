@@ -117,6 +117,8 @@ def pack_micro_batches(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, comple
   k = micro_batches
   batch = [np.asarray(x) for x in (prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN,
                                    completion_mask_BxN)]
+  if k == 1:
+    return pack(*batch, row_length=row_length, multiple=multiple)
   if len(batch[0]) % k:
     raise ValueError(f"packing: {k} micro-batches do not divide {len(batch[0])} sequences")
   packs_K = [pack(*(x[i::k] for x in batch), row_length=row_length) for i in range(k)]
