@@ -15,7 +15,7 @@ to 1024 and completions of up to 2048 tokens, decoder layers rematerialised
 (`model.remat=true`). It runs on fake CPU devices
 (`--xla_force_host_platform_device_count`, set here); with remat, the update
 is compiled as the trainer compiles it on CPU, with XLA:CPU's memory-optimised
-scheduler (`steps.StepFunctions`); the CPU backend computes bf16 dots in float32, so its
+scheduler and without CSE (`programs.cpu_remat_options`); the CPU backend computes bf16 dots in float32, so its
 temporaries overstate what a GPU needs.
 
   python benchmarks/memory_fsdp.py                         # 3B and 7B, data=8 vs fsdp=8

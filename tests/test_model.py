@@ -632,21 +632,23 @@ def test_fused_projections_equal_separate_layers(base_dir):
                                 [l(x, adapters) for l in (attn.q, attn.k, attn.v)], atol=1e-5)
 
 
-def _update_temp_bytes(num_layers: int, remat: bool) -> int:
+def _update_temp_bytes(num_layers: int, remat: bool, rows_: int = 2, prompt: int = 64,
+                       completion: int = 320, **overrides) -> int:
   """Compiled temporaries of the trainer's update program (abstract shapes, never run)."""
   from epgrpo_jax.core import losses
   from epgrpo_jax.training import programs as steps
-  cfg = preset("test-tiny", remat=remat, num_layers=num_layers)
+  cfg = preset("test-tiny", remat=remat, num_layers=num_layers, **overrides)
   model = nnx.eval_shape(lambda: Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0)))
   policy = steps.Policy.from_model(model, full_finetune=False)
   tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
   fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True, remat=remat)
-  rows = lambda n, dt: jax.ShapeDtypeStruct((2, n), dt)
+  rows = lambda n, dt: jax.ShapeDtypeStruct((rows_, n), dt)
+  p, c = prompt, completion
   batch = steps.UpdateBatch(
-      rollout=steps.Rollout(rows(64, jnp.int32), rows(64, bool), rows(320, jnp.int32), rows(320, bool)),
-      logp_old=rows(320, jnp.float32), logp_ref=rows(320, jnp.float32),
-      advantage=rows(320, jnp.float32))
+      rollout=steps.Rollout(rows(p, jnp.int32), rows(p, bool), rows(c, jnp.int32), rows(c, bool)),
+      logp_old=rows(c, jnp.float32), logp_ref=rows(c, jnp.float32),
+      advantage=rows(c, jnp.float32))
   opt_state = jax.eval_shape(tx.init, policy.trainable)
   return max(m.temp_size_in_bytes
              for m in fns.update_memory(policy.trainable, opt_state, policy.frozen, batch))
@@ -662,6 +664,21 @@ def test_remat_keeps_update_memory_flat_in_depth():
   assert plain[8] > 2.5 * plain[2]
   assert remat[8] < 1.5 * remat[2]
   assert remat[8] < plain[8] / 2.5
+
+
+def test_remat_keeps_only_each_layers_input():
+  """bf16, remat: each extra layer adds about its bf16 input [B, T, D] to the gradient
+  program's temporaries. Before `programs.cpu_remat_options` turned XLA:CPU's CSE off, the
+  backward's recomputed float32 copy of the input was merged with the forward's and kept
+  alive, 2.6 inputs per layer."""
+  shape = dict(rows_=4, prompt=64, completion=448, dtype="bfloat16", param_dtype="bfloat16",
+               hidden_size=128, intermediate_size=512, attention="blockwise",
+               attention_block=128)
+  temp = {n: _update_temp_bytes(n, remat=True, **shape) for n in (2, 6)}
+  layer_input = 4 * (64 + 448) * 128 * 2
+  per_layer = (temp[6] - temp[2]) / 4
+  print(f"\nper extra layer: {per_layer / layer_input:.2f} bf16 layer inputs")
+  assert per_layer < 1.5 * layer_input
 
 
 def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():

@@ -18,7 +18,8 @@ from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import LoraConfig, _attention
 from epgrpo_jax.training import programs
 from epgrpo_jax.training.config import TrainConfig
-from epgrpo_jax.training.packing import num_rows, pack, pack_micro_batches, with_rows
+from epgrpo_jax.training.packing import (check_layout, num_rows, pack, pack_micro_batches,
+                                         with_rows)
 from epgrpo_jax.training.trainer import Trainer
 
 from helpers import Events, arithmetic_task, random_model, rl_step_config, tiny_config
@@ -108,6 +109,32 @@ def test_micro_batches_split_into_their_own_packing(k, multiple):
     chex.assert_trees_all_equal(jax.tree.map(lambda x: x[i], split), with_rows(alone, rows))
   if k == 1:
     chex.assert_trees_all_equal(p, pack(*batch, row_length=16, multiple=multiple))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_check_layout_knows_each_layout(seed):
+  """`check_layout` passes `pack_micro_batches`' layout for its own k and refuses it for
+  another k (`pack`'s layout is k = 1)."""
+  batch = _random_batch(np.random.default_rng(seed))
+  completion, completion_mask = batch[2], batch[3]
+  for k in (1, 2, 3):
+    p = pack_micro_batches(*batch, micro_batches=k, row_length=16)
+    check_layout(p, completion, completion_mask, k)
+    for other in {1, 2, 3} - {k}:
+      with pytest.raises(ValueError, match="packing"):
+        check_layout(p, completion, completion_mask, other)
+
+
+def test_update_refuses_a_packing_without_the_micro_batch_layout():
+  padded, packed = _rollouts(seed=5)  # packed: `pack`'s layout, one micro-batch
+  policy = _policy(attention="plain")
+  tx, _ = programs.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0,
+                                  max_grad_norm=1.0)
+  fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=LossConfig(), temperature=1.0,
+                               on_policy=False)
+  with pytest.raises(ValueError, match="pack_micro_batches"):
+    fns.update(policy.trainable, tx.init(policy.trainable), policy.frozen,
+               _update_batch(packed), micro_batches=2)
 
 
 def _random_batch(rng, b=12, tp=6, n=9):

@@ -127,6 +127,25 @@ def pack_micro_batches(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, comple
                       *(with_rows(p, rows) for p in packs_K))
 
 
+def check_layout(packing: Packing, completion_BxN, completion_mask_BxN, micro_batches: int):
+  """Raises ValueError unless `packing` has `pack_micro_batches`' layout for `micro_batches`:
+  each scored completion token is the target of the slot its `index` names in its own
+  micro-batch's rows (`pack`'s layout passes only for micro_batches = 1)."""
+  k = micro_batches
+  targets_RxL, index_BxN = np.asarray(packing.targets), np.asarray(packing.index)
+  completion, mask = np.asarray(completion_BxN), np.asarray(completion_mask_BxN, bool)
+  def fits(i):
+    slots, scored = targets_RxL[i::k].reshape(-1), mask[i::k]
+    index = index_BxN[i::k][scored]
+    return np.all(index < slots.size) and np.all(slots[np.minimum(index, slots.size - 1)]
+                                                 == completion[i::k][scored])
+
+  if len(targets_RxL) % k or len(index_BxN) % k or not all(fits(i) for i in range(k)):
+    raise ValueError(f"packing: {len(targets_RxL)} rows of {len(index_BxN)} sequences are not "
+                     f"the layout of {k} micro-batches; pack the rollout with "
+                     f"pack_micro_batches(..., micro_batches={k})")
+
+
 def with_rows(packing: Packing, rows: int) -> Packing:
   """`packing` with empty rows appended up to `rows` (its `index` holds as it is)."""
   grow = lambda x_RxL: np.pad(x_RxL, ((0, rows - x_RxL.shape[0]), (0, 0)))

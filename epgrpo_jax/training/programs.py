@@ -24,7 +24,7 @@ from epgrpo_jax.parallel.distributed import place
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint
 from epgrpo_jax.training.advantage_program import advantage_step
-from epgrpo_jax.training.packing import Packing
+from epgrpo_jax.training.packing import Packing, check_layout
 
 
 @struct.dataclass
@@ -389,7 +389,8 @@ class StepFunctions:
   gradient norm (clipping, the non-finite skip), and XLA:CPU then kept each
   layer's recomputed activations live at once, as if there were no remat: the
   compiled temporaries grew with depth (`tests/test_model.py`). On CPU the
-  gradient program is also compiled with XLA's memory-optimised scheduler.
+  gradient program is also compiled with XLA's memory-optimised scheduler and without
+  CSE (`cpu_remat_options`).
 
   With `adv_cfg`, `fused_update` runs an on-policy step's scoring, reference pass,
   advantage and update as one program (`fused_update`; with remat, `fused_gradients`
@@ -400,8 +401,7 @@ class StepFunctions:
                loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
                shardings: StepShardings | None = None, remat: bool = False,
                adv_cfg: advantages.AdvantageConfig | None = None):
-    cpu_memory = ({"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-                  if remat and jax.default_backend() == "cpu" else None)
+    cpu_memory = cpu_remat_options() if remat and jax.default_backend() == "cpu" else None
     score_fn = functools.partial(score, graphdef, temperature=temperature)
     reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature)
     self._grads_fn = functools.partial(accumulated_gradients, graphdef, loss_cfg=loss_cfg,
@@ -494,7 +494,13 @@ class StepFunctions:
     return (*self.apply_program(a["trainable"], a["opt_state"], loss, aux, grads), scored)
 
   def gradients(self, trainable, frozen, batch, micro_batches: int = 1):
-    """(loss, aux metrics, gradients) of the loss on `batch`, without an optimizer step."""
+    """(loss, aux metrics, gradients) of the loss on `batch`, without an optimizer step.
+
+    A packed `batch` with `micro_batches` > 1 must have `pack_micro_batches`' layout."""
+    r = batch.rollout
+    if micro_batches > 1 and r.packing is not None and all(
+        getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(r)):
+      check_layout(r.packing, r.completion, r.completion_mask, micro_batches)
     a = self._placed(trainable=trainable, frozen=frozen, batch=batch)
     return self.gradients_program(micro_batches)(a["trainable"], a["frozen"], a["batch"])
 
@@ -511,6 +517,23 @@ class StepFunctions:
     return [program.lower(trainable, frozen, batch).compile().memory_analysis(),
             self.apply_program.lower(trainable, opt_state, loss, aux, grads)
             .compile().memory_analysis()]
+
+
+def cpu_remat_options() -> dict[str, str]:
+  """XLA:CPU options for a rematerialised gradient program: the memory-optimised scheduler,
+  and no common-subexpression elimination.
+
+  XLA:CPU removes optimization barriers before layout assignment and runs CSE again after
+  it, so the backward pass's recomputation (`models.recompute_in_backward`) is merged with
+  the forward's identical values, which then stay live from the forward to the backward:
+  each layer's float32 copy of its input, and a layer's recomputed MLP outputs and
+  attention score blocks. The GPU compiler removes the barriers only after scheduling (TPU:
+  not checked).
+  Without CSE, the 3B update of `benchmarks/memory_fsdp.py` needs 22.3 GiB per device
+  instead of 41.4 (docs/distributed.md).
+  """
+  return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+          "xla_disable_hlo_passes": "cse"}
 
 
 def _jit(fn, in_shardings, out_shardings, *, mesh, **kw):
