@@ -149,6 +149,18 @@ def test_packed_sharded_run_matches_one_device(task, tmp_path_factory):
   assert_same_run(got, one)
 
 
+def test_packed_accumulated_sharded_run_matches_one_device(task, tmp_path_factory):
+  # Packing with gradient accumulation: each micro-batch packed apart, its rows split over
+  # data x fsdp; heads and MLP over tensor.
+  flags = ("train.packing=true", "train.grad_accumulation=2")
+  one = run(task, tmp_path_factory.mktemp("acc-one"),
+            make_mesh(MeshConfig(1, 1, 1), devices=jax.devices()[:1]), *flags, fused=False)
+  for mesh in ((2, 2, 2), (1, 4, 2)):
+    got = run(task, tmp_path_factory.mktemp("acc-mesh"), make_mesh(MeshConfig(*mesh)), *flags,
+              fused=False)
+    assert_same_run(got, one)
+
+
 def assert_same_run(got, reference):
   """Greedy tokens equal, metrics and final weights within the tolerance of another
   summation order, and a real learning signal."""
