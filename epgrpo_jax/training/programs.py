@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -137,17 +137,32 @@ def gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBa
   `on_policy`: the first and only update on this rollout, so pi_old = pi_theta and
   the ratio is exactly 1 (`logp_old` is the stop-gradient of the new log-probs).
   """
-  rollout = batch.rollout
+  def terms(logp, entropy):
+    return logp if on_policy else batch.logp_old, batch.logp_ref, batch.advantage, None
 
+  loss, aux, grads, _ = policy_gradients(graphdef, trainable, frozen, batch.rollout, terms,
+                                         loss_cfg=loss_cfg, temperature=temperature)
+  return loss, aux, grads
+
+
+def policy_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, rollout: Rollout,
+                     terms: Callable, *, loss_cfg: losses.LossConfig, temperature: float):
+  """(loss, aux, gradients, extra) of `losses.policy_loss` on the policy's forward pass.
+
+  `terms(logp_BxN, entropy_BxN)`, given that forward's log-probs and entropies under
+  stop-gradient, returns (logp_old, logp_ref, advantage [B, N], extra): the loss's other
+  inputs, and whatever else the caller wants back from inside the differentiated function.
+  """
   def loss_fn(tr):
     model = nnx.merge(graphdef, frozen, tr)
     logp, entropy = completion_logprobs(model, rollout, temperature=temperature)
-    logp_old = jax.lax.stop_gradient(logp) if on_policy else batch.logp_old
-    return losses.policy_loss(logp, logp_old, batch.logp_ref, batch.advantage,
-                              rollout.completion_mask, loss_cfg, entropy_BxT=entropy)
+    logp_old, logp_ref, advantage, extra = terms(*jax.lax.stop_gradient((logp, entropy)))
+    loss, aux = losses.policy_loss(logp, logp_old, logp_ref, advantage,
+                                   rollout.completion_mask, loss_cfg, entropy_BxT=entropy)
+    return loss, (aux, extra)
 
-  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-  return loss, aux, grads
+  (loss, (aux, extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+  return loss, aux, grads, extra
 
 
 def apply_gradients(tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
@@ -207,10 +222,7 @@ def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
   to_groups = lambda x: x.reshape(P, G, -1)
   same = policy_is_reference(trainable, reference)
 
-  def loss_fn(tr):
-    model = nnx.merge(graphdef, frozen, tr)
-    logp, entropy = completion_logprobs(model, rollout, temperature=temperature)
-    logp_old, entropy_old = jax.lax.stop_gradient((logp, entropy))
+  def terms(logp_old, entropy_old):
     # While the policy is its reference (every LoRA B zero, or full fine-tuning's weights
     # unchanged: the first step), its log-probs are the reference's by definition. Computed
     # apart, the differentiated forward and the plain reference forward round differently
@@ -219,12 +231,11 @@ def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
     adv, comps, adv_metrics = advantage_step(
         rewards_PxG, to_groups(entropy_old), to_groups(logp_old), to_groups(logp_ref_used),
         to_groups(mask_BxN), cfg=adv_cfg)
-    loss, aux = losses.policy_loss(logp, logp_old, logp_ref_used, adv.reshape(P * G, -1),
-                                   mask_BxN, loss_cfg, entropy_BxT=entropy)
-    return loss, (aux, Scored(logp_old, entropy_old, logp_ref_used, adv, comps, adv_metrics))
+    scored = Scored(logp_old, entropy_old, logp_ref_used, adv, comps, adv_metrics)
+    return logp_old, logp_ref_used, adv.reshape(P * G, -1), scored
 
-  (loss, (aux, scored)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-  return loss, aux, grads, scored
+  return policy_gradients(graphdef, trainable, frozen, rollout, terms, loss_cfg=loss_cfg,
+                          temperature=temperature)
 
 
 def policy_is_reference(trainable: nnx.State, reference: nnx.State | None) -> jax.Array:
@@ -234,7 +245,8 @@ def policy_is_reference(trainable: nnx.State, reference: nnx.State | None) -> ja
     same = jax.tree.map(lambda a, b: jnp.all(a == b), trainable, reference)
     return jnp.all(jnp.stack(jax.tree.leaves(same)))
   flat = jax.tree_util.tree_flatten_with_path(trainable)[0]
-  b = [jnp.all(x == 0) for path, x in flat if "lora_b" in jax.tree_util.keystr(path)]
+  b = [jnp.all(x == 0) for path, x in flat
+       if "lora_b" in (getattr(k, "key", getattr(k, "name", None)) for k in path)]
   return jnp.all(jnp.stack(b))
 
 
