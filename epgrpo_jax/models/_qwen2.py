@@ -72,6 +72,9 @@ def recompute_in_backward(fn: Callable) -> Callable:
   temporaries then grew with depth almost as without remat. Cotangents of
   inputs that are not differentiated (the frozen base) are dropped by XLA.
   The ordering is a fix for XLA:CPU's scheduler: other backends get `jax.checkpoint`.
+  XLA:CPU also drops the barrier before its last CSE pass, which would merge the
+  recomputation with the forward's values; the trainer compiles such programs without CSE
+  (`training.programs.cpu_remat_options`).
   """
   if jax.default_backend() != "cpu":
     return jax.checkpoint(fn)

@@ -134,6 +134,7 @@ def check_layout(packing: Packing, completion_BxN, completion_mask_BxN, micro_ba
   k = micro_batches
   targets_RxL, index_BxN = np.asarray(packing.targets), np.asarray(packing.index)
   completion, mask = np.asarray(completion_BxN), np.asarray(completion_mask_BxN, bool)
+
   def fits(i):
     slots, scored = targets_RxL[i::k].reshape(-1), mask[i::k]
     index = index_BxN[i::k][scored]
