@@ -632,7 +632,7 @@ def test_fused_projections_equal_separate_layers(base_dir):
                                 [l(x, adapters) for l in (attn.q, attn.k, attn.v)], atol=1e-5)
 
 
-def _update_temp_bytes(num_layers: int, remat: bool, rows_: int = 2, prompt: int = 64,
+def _update_temp_bytes(num_layers: int, remat: bool, sequences: int = 2, prompt: int = 64,
                        completion: int = 320, **overrides) -> int:
   """Compiled temporaries of the trainer's update program (abstract shapes, never run)."""
   from epgrpo_jax.core import losses
@@ -643,7 +643,7 @@ def _update_temp_bytes(num_layers: int, remat: bool, rows_: int = 2, prompt: int
   tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
   fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True, remat=remat)
-  rows = lambda n, dt: jax.ShapeDtypeStruct((rows_, n), dt)
+  rows = lambda n, dt: jax.ShapeDtypeStruct((sequences, n), dt)
   p, c = prompt, completion
   batch = steps.UpdateBatch(
       rollout=steps.Rollout(rows(p, jnp.int32), rows(p, bool), rows(c, jnp.int32), rows(c, bool)),
@@ -671,7 +671,7 @@ def test_remat_keeps_only_each_layers_input():
   program's temporaries. Before `programs.cpu_remat_options` turned XLA:CPU's CSE off, the
   backward's recomputed float32 copy of the input was merged with the forward's and kept
   alive, 2.6 inputs per layer."""
-  shape = dict(rows_=4, prompt=64, completion=448, dtype="bfloat16", param_dtype="bfloat16",
+  shape = dict(sequences=4, prompt=64, completion=448, dtype="bfloat16", param_dtype="bfloat16",
                hidden_size=128, intermediate_size=512, attention="blockwise",
                attention_block=128)
   temp = {n: _update_temp_bytes(n, remat=True, **shape) for n in (2, 6)}

@@ -138,8 +138,7 @@ def check_layout(packing: Packing, completion_BxN, completion_mask_BxN, micro_ba
   def fits(i):
     slots, scored = targets_RxL[i::k].reshape(-1), mask[i::k]
     index = index_BxN[i::k][scored]
-    return np.all(index < slots.size) and np.all(slots[np.minimum(index, slots.size - 1)]
-                                                 == completion[i::k][scored])
+    return np.all(index < slots.size) and np.all(slots[index] == completion[i::k][scored])
 
   if len(targets_RxL) % k or len(index_BxN) % k or not all(fits(i) for i in range(k)):
     raise ValueError(f"packing: {len(targets_RxL)} rows of {len(index_BxN)} sequences are not "
