@@ -400,6 +400,25 @@ def test_restore_ignores_an_unfinished_save_and_takes_the_latest_complete_step(t
     ckpt.close()
 
 
+def test_a_restore_into_other_shapes_is_refused_before_any_array_is_read(tmp_path):
+  ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+  try:
+    ckpt.save(1, {"a": {"w": jnp.zeros((2, 3))}, "b": jnp.zeros(())}, None, {"step": 1})
+    for wanted, message in [
+        ({"a": {"w": jnp.zeros((2, 4))}, "b": jnp.zeros(())},
+         r"^a\.w is saved with shape \(2, 3\), this config needs \(2, 4\)$"),
+        ({"a": {"w": jnp.zeros((2, 3)), "v": jnp.zeros(1)}, "b": jnp.zeros(())},
+         r"^the checkpoint has no array a\.v \(1,\)$"),
+        ({"a": {"w": jnp.zeros((2, 3))}},
+         r"^the checkpoint holds 1 array\(s\) this config does not, e\.g\. b \(\)$")]:
+      with pytest.raises(ValueError, match=message):
+        ckpt.restore(1, wanted, None)
+    state, _ = ckpt.restore(1, {"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(())}, None)
+    np.testing.assert_array_equal(state["a"]["w"], np.zeros((2, 3)))
+  finally:
+    ckpt.close()
+
+
 def test_resume_false_on_a_directory_with_checkpoints_is_an_error(tmp_path, capsys):
   run_dir = tmp_path / "run"
   ckpt = Checkpointer(run_dir / "checkpoints", async_save=False)
@@ -418,7 +437,8 @@ def _hashes(directory: Path) -> dict[str, bytes]:
 
 
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_before_it(task, tmp_path,
-                                                                               capsys):
+                                                                               capsys, monkeypatch):
+  monkeypatch.syspath_prepend(str(task[1]))
   run_dir = tmp_path / "run"
   ckpt = run_dir / "checkpoints"
   assert train_cli.main(overrides(task, run_dir, "train.steps=3")) == 0
@@ -436,6 +456,9 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
   assert code == 2 and "Traceback" not in "\n".join(err), err[-5:]
   assert err[-1].startswith(f"error: checkpoint.resume: no checkpoint in {ckpt} restores into "
                             "this config (step 3: "), err[-1]
+  # step 2 of another LoRA rank: the array and both shapes are named
+  assert any("step 2 cannot be restored (ValueError: " in line and "lora_a is saved with shape "
+             "(32, 2), this config needs (32, 4))" in line for line in err), err
   assert _hashes(run_dir) == before
 
   # The same config: step 3 is renamed, never deleted, and the run goes on from step 2.

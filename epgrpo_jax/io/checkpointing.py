@@ -54,6 +54,7 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: Any, data_iterator: grain.DatasetIterator | None):
     """Restores into `abstract_state`'s structure/shardings and `data_iterator` (in place)."""
+    check_shapes(self.directory / str(step), abstract_state)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
     items = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
     if data_iterator is not None:
@@ -123,21 +124,46 @@ def _key_name(k: Any) -> str:
   return str(k)
 
 
-def saved_trainable_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
-  """Dotted path -> shape of each array under "trainable" in a step's "state" item
-  (read from the Orbax metadata, without loading the arrays)."""
+def _dotted(path: tuple[Any, ...]) -> str:
+  names = [_key_name(k) for k in path]
+  if names and names[-1] == "value":  # an nnx.Variable's own field
+    names = names[:-1]
+  return ".".join(names)
+
+
+def saved_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
+  """Dotted path -> shape of each array in a step's "state" item (read from the Orbax
+  metadata, without loading the arrays)."""
   with _quiet_absl(), ocp.PyTreeCheckpointer() as ckptr:
     metadata = ckptr.metadata(Path(step_dir).absolute() / "state")
   tree = getattr(metadata, "item_metadata", metadata)
-  if not hasattr(tree, "keys") or "trainable" not in tree.keys():
-    return {}
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree["trainable"])[0]:
-    names = [_key_name(k) for k in path]
-    if names and names[-1] == "value":  # an nnx.Variable's own field
-      names = names[:-1]
-    out[".".join(names)] = tuple(getattr(leaf, "shape", ()))
-  return out
+  return {_dotted(path): tuple(getattr(leaf, "shape", ()))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def saved_trainable_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
+  """`saved_shapes` of the arrays under "trainable", their paths without that prefix."""
+  prefix = "trainable."
+  return {name[len(prefix):]: shape for name, shape in saved_shapes(step_dir).items()
+          if name.startswith(prefix)}
+
+
+def check_shapes(step_dir: str | Path, abstract_state: Any) -> None:
+  """Raises ValueError naming the first array of `abstract_state` that a step's "state"
+  item lacks, holds in another shape, or holds beside it. Checked before reading: Orbax's
+  read of a mismatched array fails part-way and leaves its other reads pending."""
+  saved = saved_shapes(step_dir)
+  wanted = {_dotted(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  for name, shape in wanted.items():
+    if name not in saved:
+      raise ValueError(f"the checkpoint has no array {name} {shape}")
+    if saved[name] != shape:
+      raise ValueError(f"{name} is saved with shape {saved[name]}, this config needs {shape}")
+  extra = sorted(saved.keys() - wanted.keys())
+  if extra:
+    raise ValueError(f"the checkpoint holds {len(extra)} array(s) this config does not, e.g. "
+                     f"{extra[0]} {saved[extra[0]]}")
 
 
 def restore_trainable(directory: str | Path, step: int, abstract_trainable: Any) -> Any:
