@@ -265,7 +265,8 @@ def main(argv=None):
     print(f"TRL:  {tokens / t['step']:.0f} completion tokens/s per step, generate "
           f"{tokens / t['generate']:.0f} tokens/s")
     ratio = t["step"] / o["step"]
-    print(f"ratio TRL step / ours step: {ratio:.2f}x (target >= 3x: {'met' if ratio >= 3 else 'NOT met'}); "
+    met = "met" if ratio >= 2.5 else "NOT met"
+    print(f"ratio TRL step / ours step: {ratio:.2f}x (issue 23's target >= 2.5x: {met}); "
           f"load average during the timed steps: ours {o['load']:.2f}, TRL {t['load']:.2f}")
     result["ratio"] = ratio
   flops = C.step_flops(cfg, shape, fused=ours.trainer.fused)
