@@ -228,6 +228,17 @@ def test_restore_lora_checkpoint(lora_run):
   assert jax.tree.all(jax.tree.map(same, a, b, saved))
 
 
+def test_a_checkpoint_of_another_model_is_refused_naming_the_array(lora_run, tmp_path):
+  _, run_dir, _ = lora_run
+  wider = tiny_hf_dir(tmp_path, name="wider", intermediate_size=96)
+  with pytest.raises(ValueError) as err:
+    C.load_policy(wider, checkpoint=C.resolve_checkpoint(run_dir), lora=LORA)
+  assert str(err.value) == (
+      f"--checkpoint {run_dir / 'checkpoints' / '7'}: does not fit the model in {wider} "
+      "(layers.0.mlp.up.lora_b is saved with shape (4, 64), expected (4, 96)); "
+      "is --model the run's base model?")
+
+
 def test_lora_settings_without_run_config(lora_run, tmp_path):
   model_dir, run_dir, _ = lora_run
   bare = tmp_path / "bare"

@@ -406,11 +406,11 @@ def test_a_restore_into_other_shapes_is_refused_before_any_array_is_read(tmp_pat
     ckpt.save(1, {"a": {"w": jnp.zeros((2, 3))}, "b": jnp.zeros(())}, None, {"step": 1})
     for wanted, message in [
         ({"a": {"w": jnp.zeros((2, 4))}, "b": jnp.zeros(())},
-         r"^a\.w is saved with shape \(2, 3\), this config needs \(2, 4\)$"),
+         r"^a\.w is saved with shape \(2, 3\), expected \(2, 4\)$"),
         ({"a": {"w": jnp.zeros((2, 3)), "v": jnp.zeros(1)}, "b": jnp.zeros(())},
          r"^the checkpoint has no array a\.v \(1,\)$"),
         ({"a": {"w": jnp.zeros((2, 3))}},
-         r"^the checkpoint holds 1 array\(s\) this config does not, e\.g\. b \(\)$")]:
+         r"^the checkpoint holds 1 array\(s\) not expected, e\.g\. b \(\)$")]:
       with pytest.raises(ValueError, match=message):
         ckpt.restore(1, wanted, None)
     state, _ = ckpt.restore(1, {"a": {"w": jnp.ones((2, 3))}, "b": jnp.ones(())}, None)
@@ -458,7 +458,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
                             "this config (step 3: "), err[-1]
   # step 2 of another LoRA rank: the array and both shapes are named
   assert any("step 2 cannot be restored (ValueError: " in line and "lora_a is saved with shape "
-             "(32, 2), this config needs (32, 4))" in line for line in err), err
+             "(32, 2), expected (32, 4))" in line for line in err), err
   assert _hashes(run_dir) == before
 
   # The same config: step 3 is renamed, never deleted, and the run goes on from step 2.

@@ -11,7 +11,8 @@ import yaml
 from flax import nnx
 
 from epgrpo_jax.io import commandline
-from epgrpo_jax.io.checkpointing import restore_trainable, saved_trainable_shapes
+from epgrpo_jax.io.checkpointing import (restore_trainable, saved_trainable_shapes,
+                                         shape_difference)
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.models import LORA_TARGETS, LoraConfig, from_pretrained, merge_lora
 
@@ -136,12 +137,10 @@ def load_policy(model_dir: str | Path, *, dtype: str = "float32",
   what = nnx.LoRAParam if lora is not None else nnx.Param
   graphdef, trainable, rest = nnx.split(model, what, ...)
   expected = {".".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(trainable)}
-  if expected != checkpoint.trainable:
-    missing = sorted(set(checkpoint.trainable) ^ set(expected))
-    diff = missing[0] if missing else next(
-        k for k in expected if expected[k] != checkpoint.trainable[k])
+  difference = shape_difference(checkpoint.trainable, expected)
+  if difference:
     raise UserError(f"--checkpoint {checkpoint.step_dir}: does not fit the model in "
-                     f"{model_dir} (first difference: {diff}); is --model the run's base model?")
+                     f"{model_dir} ({difference}); is --model the run's base model?")
   try:
     restored = restore_trainable(checkpoint.step_dir.parent, checkpoint.step, trainable)
   except Exception as e:  # Orbax raises several types

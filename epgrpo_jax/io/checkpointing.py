@@ -148,22 +148,31 @@ def saved_trainable_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
           if name.startswith(prefix)}
 
 
-def check_shapes(step_dir: str | Path, abstract_state: Any) -> None:
-  """Raises ValueError naming the first array of `abstract_state` that a step's "state"
-  item lacks, holds in another shape, or holds beside it. Checked before reading: Orbax's
-  read of a mismatched array fails part-way and leaves its other reads pending."""
-  saved = saved_shapes(step_dir)
-  wanted = {_dotted(path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+def shape_difference(saved: dict[str, tuple[int, ...]],
+                     wanted: dict[str, tuple[int, ...]]) -> str | None:
+  """The first array of `wanted` (dotted path -> shape) that `saved` lacks or holds in
+  another shape, or else one that only `saved` holds, in words; None when they agree."""
   for name, shape in wanted.items():
     if name not in saved:
-      raise ValueError(f"the checkpoint has no array {name} {shape}")
+      return f"the checkpoint has no array {name} {shape}"
     if saved[name] != shape:
-      raise ValueError(f"{name} is saved with shape {saved[name]}, this config needs {shape}")
+      return f"{name} is saved with shape {saved[name]}, expected {shape}"
   extra = sorted(saved.keys() - wanted.keys())
   if extra:
-    raise ValueError(f"the checkpoint holds {len(extra)} array(s) this config does not, e.g. "
-                     f"{extra[0]} {saved[extra[0]]}")
+    return (f"the checkpoint holds {len(extra)} array(s) not expected, e.g. "
+            f"{extra[0]} {saved[extra[0]]}")
+  return None
+
+
+def check_shapes(step_dir: str | Path, abstract_state: Any) -> None:
+  """Raises ValueError with the `shape_difference` of a step's "state" item and
+  `abstract_state`. Checked before reading: Orbax's read of a mismatched array fails
+  part-way and leaves its other reads pending."""
+  wanted = {_dotted(path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  difference = shape_difference(saved_shapes(step_dir), wanted)
+  if difference:
+    raise ValueError(difference)
 
 
 def restore_trainable(directory: str | Path, step: int, abstract_trainable: Any) -> Any:
