@@ -438,7 +438,7 @@ def _hashes(directory: Path) -> dict[str, bytes]:
 
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_run_resumes_before_it(task, tmp_path,
                                                                                capsys, monkeypatch):
-  monkeypatch.syspath_prepend(str(task[1]))
+  monkeypatch.syspath_prepend(str(task[1]))  # the reward module
   run_dir = tmp_path / "run"
   ckpt = run_dir / "checkpoints"
   assert train_cli.main(overrides(task, run_dir, "train.steps=3")) == 0
