@@ -6,6 +6,7 @@ eager attention and explicit position ids (cumsum(mask) - 1).
 
 from __future__ import annotations
 
+import re
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from epgrpo_jax.data.evalsets import load_benchmark
-from epgrpo_jax.models._lora import fused, low_rank
+from epgrpo_jax.models._lora import fused, low_rank, matmul
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
                                from_pretrained, hf_state_dict, init_cache, load_hf_config,
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
@@ -609,6 +610,46 @@ class LowRankTest(chex.TestCase):
     ours = self.variant(jax.value_and_grad(loss(low_rank), argnums=(0, 1, 2)))
     plain = jax.value_and_grad(loss(lambda x, a, b: (x @ a) @ b), argnums=(0, 1, 2))
     chex.assert_trees_all_close(ours(x, a, b), plain(x, a, b), rtol=1e-5, atol=1e-5)
+
+
+class RoundedMatmulTest(chex.TestCase):
+  """`matmul` below float32: the products (forward and backward) are bf16 x bf16 -> float32,
+  rounded once; values and gradients equal float32 autodiff to bf16 precision."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_bfloat16_values_and_gradients(self):
+    rng = np.random.default_rng(0)
+    x, w, t = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((3, 5, 64), (64, 48), (3, 5, 48)))
+
+    def loss(fn):
+      return lambda x, w: jnp.sum(jnp.tanh(fn(x, w).astype(jnp.float32)) * t)
+
+    bf16 = jnp.bfloat16
+    ours = self.variant(jax.value_and_grad(loss(matmul), argnums=(0, 1)))(x.astype(bf16),
+                                                                       w.astype(bf16))
+    f32 = jax.value_and_grad(loss(lambda x, w: x @ w), argnums=(0, 1))(
+        x.astype(bf16).astype(jnp.float32), w.astype(bf16).astype(jnp.float32))
+    assert ours[1][0].dtype == ours[1][1].dtype == bf16
+    chex.assert_trees_all_close(jax.tree.map(lambda v: v.astype(jnp.float32), ours), f32,
+                                rtol=2e-2, atol=2e-2)
+
+  def test_every_bfloat16_product_accumulates_in_float32(self):
+    if jax.default_backend() != "cpu":
+      self.skipTest("accelerators take the plain product")
+    x, w = jnp.ones((3, 5, 64), jnp.bfloat16), jnp.ones((64, 48), jnp.bfloat16)
+    text = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(matmul(x, w)), argnums=(0, 1))).lower(
+        x, w).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) == 3, dots  # forward, input and weight gradients
+    for line in dots:
+      assert re.search(r"\(tensor<[\dx]+xbf16>, tensor<[\dx]+xbf16>\) -> tensor<[\dx]+xf32>",
+                       line), line
+
+  def test_float32_is_the_plain_product(self):
+    x, w = (jnp.asarray(np.random.default_rng(1).standard_normal(s), jnp.float32)
+            for s in ((7, 64), (64, 48)))
+    np.testing.assert_array_equal(jax.jit(matmul)(x, w), jax.jit(lambda x, w: x @ w)(x, w))
 
 
 def test_fused_projections_equal_separate_layers(base_dir):

@@ -87,7 +87,8 @@ def attend(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxTxS):
                       preferred_element_type=jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
   scores = jnp.where(allowed_BxTxS[:, None, None], scores, _NEG)
   probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-  return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype))
+  return jnp.einsum("bkgts,bksh->bkgth", probs, values_BxKxSxHd.astype(q.dtype),
+                    preferred_element_type=jnp.float32).astype(q.dtype)
 
 
 def _blocks(keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, segments_BxS, block: int):

@@ -18,17 +18,50 @@ LORA = nnx.LoRAParam
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
+def matmul(x: jax.Array, w_IxO: jax.Array) -> jax.Array:
+  """x @ w over the last axis of x, in x's dtype. On CPU below float32, each product
+  (forward and backward) is accumulated and returned in float32, then rounded once: XLA:CPU
+  computes bf16 x bf16 -> bf16 dots through float32, several times slower than bf16 x bf16
+  -> float32 ones, which run on the CPU's bf16 units. Accelerators accumulate in float32
+  inside their bf16 dots already."""
+  if x.dtype == jnp.float32 or jax.default_backend() != "cpu":
+    return x @ w_IxO
+  return _rounded_matmul(x, w_IxO)
+
+
+@jax.custom_vjp
+def _rounded_matmul(x, w_IxO):
+  return jnp.matmul(x, w_IxO, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _rounded_matmul_fwd(x, w_IxO):
+  return _rounded_matmul(x, w_IxO), (x, w_IxO)
+
+
+def _rounded_matmul_bwd(res, dy):
+  # Left to autodiff, the float32 products' cotangents would make the backward dots float32.
+  x, w_IxO = res
+  dy = dy.astype(x.dtype)
+  dx = _rounded_matmul(dy, w_IxO.T)
+  x_NxI, dy_NxO = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+  dw_IxO = jnp.matmul(x_NxI.T, dy_NxO, preferred_element_type=jnp.float32)
+  return dx, dw_IxO.astype(w_IxO.dtype)
+
+
+_rounded_matmul.defvjp(_rounded_matmul_fwd, _rounded_matmul_bwd)
+
+
 @jax.custom_vjp
 def low_rank(x_NxI: jax.Array, a_IxR: jax.Array, b_RxO: jax.Array) -> jax.Array:
   """(x @ a) @ b over the last axis of x, with a backward pass that transposes only
   rank-sized arrays (XLA:CPU otherwise transposes the [tokens, features] activations
   and gradients to form the adapter gradients, the costliest part of the update)."""
-  return (x_NxI @ a_IxR) @ b_RxO
+  return matmul(matmul(x_NxI, a_IxR), b_RxO)
 
 
 def _low_rank_fwd(x, a, b):
-  xa = x @ a
-  return xa @ b, (x, a, b, xa)
+  xa = matmul(x, a)
+  return matmul(xa, b), (x, a, b, xa)
 
 
 def _low_rank_bwd(res, dy):
@@ -36,14 +69,14 @@ def _low_rank_bwd(res, dy):
   lead = x.shape[:-1]
   x_NxI, xa_NxR = x.reshape(-1, x.shape[-1]), xa.reshape(-1, xa.shape[-1])
   dy_NxO = dy.reshape(-1, dy.shape[-1])
-  dxa_NxR = dy_NxO @ b.T
+  dxa_NxR = matmul(dy_NxO, b.T)
   # Contract over tokens with the rank-sized operand transposed (on CPU a barrier keeps XLA
   # from folding the transpose back into the dot and transposing the large one; other
   # backends pick their own dot layouts).
   barrier = jax.lax.optimization_barrier if jax.default_backend() == "cpu" else lambda v: v
-  db_RxO = barrier(xa_NxR.T) @ dy_NxO
-  da_IxR = (barrier(dxa_NxR.T) @ x_NxI).T
-  dx = (dxa_NxR @ a.T).reshape(*lead, x.shape[-1])
+  db_RxO = matmul(barrier(xa_NxR.T), dy_NxO)
+  da_IxR = matmul(barrier(dxa_NxR.T), x_NxI).T
+  dx = matmul(dxa_NxR, a.T).reshape(*lead, x.shape[-1])
   return dx.astype(x.dtype), da_IxR.astype(a.dtype), db_RxO.astype(b.dtype)
 
 
@@ -74,7 +107,7 @@ class Linear(nnx.Module):
 
   def __call__(self, x, adapters: bool = True):
     x = x.astype(self.dtype)
-    y = x @ self.kernel[...].astype(self.dtype)
+    y = matmul(x, self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     if self.has_lora and adapters != self.merged:
@@ -108,7 +141,7 @@ def fused(layers: "list[Linear]", x, adapters: bool) -> list[jax.Array]:
     return [layer(x, adapters) for layer in layers]
   dtype = layers[0].dtype
   kernel = jnp.concatenate([layer.kernel[...].astype(dtype) for layer in layers], axis=-1)
-  y = x.astype(dtype) @ kernel
+  y = matmul(x.astype(dtype), kernel)
   if any(layer.bias is not None for layer in layers):
     y = y + jnp.concatenate([
         layer.bias[...].astype(dtype) if layer.bias is not None
