@@ -19,12 +19,12 @@ BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
 def matmul(x: jax.Array, w_IxO: jax.Array) -> jax.Array:
-  """x @ w over the last axis of x, in x's dtype. On CPU below float32, each product
+  """x @ w over the last axis of x, in x's dtype. On CPU in bf16 or fp16, each product
   (forward and backward) is accumulated and returned in float32, then rounded once: XLA:CPU
   computes bf16 x bf16 -> bf16 dots through float32, several times slower than bf16 x bf16
   -> float32 ones, which run on the CPU's bf16 units. Accelerators accumulate in float32
   inside their bf16 dots already."""
-  if x.dtype == jnp.float32 or jax.default_backend() != "cpu":
+  if x.dtype not in (jnp.bfloat16, jnp.float16) or jax.default_backend() != "cpu":
     return x @ w_IxO
   return _rounded_matmul(x, w_IxO)
 
