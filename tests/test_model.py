@@ -6,8 +6,8 @@ eager attention and explicit position ids (cumsum(mask) - 1).
 
 from __future__ import annotations
 
-import re
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -613,7 +613,7 @@ class LowRankTest(chex.TestCase):
 
 
 class RoundedMatmulTest(chex.TestCase):
-  """`matmul` below float32: the products (forward and backward) are bf16 x bf16 -> float32,
+  """`matmul` in bf16 on CPU: the products (forward and backward) are bf16 x bf16 -> float32,
   rounded once; values and gradients equal float32 autodiff to bf16 precision."""
 
   @chex.variants(with_jit=True, without_jit=True)
