@@ -12,7 +12,7 @@ from flax import nnx
 
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io.checkpointing import (restore_trainable, saved_trainable_shapes,
-                                         shape_difference)
+                                         shape_difference, tree_shapes)
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.models import LORA_TARGETS, LoraConfig, from_pretrained, merge_lora
 
@@ -136,8 +136,7 @@ def load_policy(model_dir: str | Path, *, dtype: str = "float32",
     return model
   what = nnx.LoRAParam if lora is not None else nnx.Param
   graphdef, trainable, rest = nnx.split(model, what, ...)
-  expected = {".".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(trainable)}
-  difference = shape_difference(checkpoint.trainable, expected)
+  difference = shape_difference(checkpoint.trainable, tree_shapes(trainable))
   if difference:
     raise UserError(f"--checkpoint {checkpoint.step_dir}: does not fit the model in "
                      f"{model_dir} ({difference}); is --model the run's base model?")

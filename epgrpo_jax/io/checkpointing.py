@@ -131,14 +131,18 @@ def _dotted(path: tuple[Any, ...]) -> str:
   return ".".join(names)
 
 
-def saved_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
-  """Dotted path -> shape of each array in a step's "state" item (read from the Orbax
-  metadata, without loading the arrays)."""
-  with _quiet_absl(), ocp.PyTreeCheckpointer() as ckptr:
-    metadata = ckptr.metadata(Path(step_dir).absolute() / "state")
-  tree = getattr(metadata, "item_metadata", metadata)
+def tree_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """Dotted path -> shape of each array (or array metadata) of `tree`."""
   return {_dotted(path): tuple(getattr(leaf, "shape", ()))
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def saved_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
+  """`tree_shapes` of a step's "state" item (read from the Orbax metadata, without loading
+  the arrays)."""
+  with _quiet_absl(), ocp.PyTreeCheckpointer() as ckptr:
+    metadata = ckptr.metadata(Path(step_dir).absolute() / "state")
+  return tree_shapes(getattr(metadata, "item_metadata", metadata))
 
 
 def saved_trainable_shapes(step_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -168,9 +172,7 @@ def check_shapes(step_dir: str | Path, abstract_state: Any) -> None:
   """Raises ValueError with the `shape_difference` of a step's "state" item and
   `abstract_state`. Checked before reading: Orbax's read of a mismatched array fails
   part-way and leaves its other reads pending."""
-  wanted = {_dotted(path): tuple(leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
-  difference = shape_difference(saved_shapes(step_dir), wanted)
+  difference = shape_difference(saved_shapes(step_dir), tree_shapes(abstract_state))
   if difference:
     raise ValueError(difference)
 
