@@ -7,7 +7,8 @@ grouped by the shapes of their dots, with GFLOP (from the optimised HLO, dumped 
 purpose) and GFLOP/s, then its other ops grouped by kind; and for how much of the
 program's wall time 0, 1 or 2+ ops were running on XLA's threads.
 
-  python benchmarks/update_profile.py [--warmup 3] [--top 20] [--separate-programs]
+  python benchmarks/update_profile.py [--warmup 3] [--top 20] [--separate-programs] [--remat]
+      [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def parse_args(argv=None):
   ap.add_argument("--top", type=int, default=20, help="rows of each table")
   ap.add_argument("--separate-programs", action="store_true", help="train.fused_update=false")
   ap.add_argument("--remat", action="store_true", help="model.remat=true")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                  help="weights and compute, as step_vs_trl.py --dtype")
   return ap.parse_args(argv)
 
 
@@ -140,9 +143,11 @@ def main(argv=None):
   extra = ["train.fused_update=false"] if args.separate_programs else []
   if args.remat:
     extra.append("model.remat=true")
+  if args.dtype != "float32":
+    extra += [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
   shape = C.Shape()
   tmp = Path(tempfile.mkdtemp(prefix="update_profile-"))
-  model_dir = C.build_model_dir(tmp / "model", "bench-tiny")
+  model_dir = C.build_model_dir(tmp / "model", "bench-tiny", dtype=args.dtype)
   train_file = C.write_prompts(tmp / "prompts.jsonl", C.prompt_texts(64, shape.prompt_len))
   print(f"machine: {C.machine_line()}; jax {jax.__version__}", flush=True)
   trainer = C.make_trainer(model_dir, train_file, tmp / "ours", shape, *extra)

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import chex
 import jax
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from epgrpo_jax.data.evalsets import load_benchmark
-from epgrpo_jax.models._lora import fused, low_rank, matmul
+from epgrpo_jax.models._lora import fused, low_rank, matmul, one_device_program
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
                                from_pretrained, hf_state_dict, init_cache, load_hf_config,
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
@@ -646,10 +647,50 @@ class RoundedMatmulTest(chex.TestCase):
       assert re.search(r"\(tensor<[\dx]+xbf16>, tensor<[\dx]+xbf16>\) -> tensor<[\dx]+xf32>",
                        line), line
 
+  def test_on_amx_the_products_equal_xla_ones(self):
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    if jax.default_backend() != "cpu" or not cpu_kernels.amx_available():
+      self.skipTest("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.bfloat16)  # 64 rows
+    w = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)  # and its transpose: tiles fit
+    t = jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.float32)
+    def value_and_grads():  # a new function each time: jit caches traces per function
+      return jax.jit(jax.value_and_grad(
+          lambda x, w: jnp.sum(jnp.tanh(matmul(x, w).astype(jnp.float32)) * t), argnums=(0, 1)))
+
+    with one_device_program(True):  # the suite fakes 8 CPU devices; this runs on one
+      fn = value_and_grads()
+      text, got = fn.lower(x, w).as_text(), fn(x, w)
+    assert text.count('@epgrpo_packed_matmul(') == 2, text  # forward and input gradient
+    with one_device_program(False):
+      assert "epgrpo_packed_matmul" not in value_and_grads().lower(x, w).as_text()
+    with mock.patch.object(cpu_kernels, "amx_available", lambda: False):
+      want = value_and_grads()(x, w)  # XLA's dots
+    chex.assert_trees_all_close(jax.tree.map(lambda v: v.astype(jnp.float32), got),
+                                jax.tree.map(lambda v: v.astype(jnp.float32), want),
+                                rtol=8e-3, atol=1e-3)  # a bf16 rounding apart at most
+
   def test_float32_is_the_plain_product(self):
     x, w = (jnp.asarray(np.random.default_rng(1).standard_normal(s), jnp.float32)
             for s in ((7, 64), (64, 48)))
     np.testing.assert_array_equal(jax.jit(matmul)(x, w), jax.jit(lambda x, w: x @ w)(x, w))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_a_cache_slot_is_written_without_widening_the_cache(dtype):
+  # XLA:CPU widens a bf16 dynamic-update-slice to float32: the whole cache converted there
+  # and back at every decode step. write_slots writes a 16-bit cache through its bits.
+  from epgrpo_jax.models._qwen2 import write_slots
+  cache = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 8, 16)), dtype)
+  new = jnp.full((2, 2, 8, 1), 1.5, jnp.float32)
+  write = jax.jit(lambda c, n, i: write_slots(c, n, (0, 0, 0, i)))
+  got = write(cache, new, 3)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(
+      jax.lax.dynamic_update_slice(cache, new.astype(dtype), (0, 0, 0, 3)), np.float32))
+  if dtype == jnp.bfloat16:
+    assert "f32[2,2,8,16]" not in write.lower(cache, new, 3).compile().as_text()
 
 
 def test_fused_projections_equal_separate_layers(base_dir):

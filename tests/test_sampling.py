@@ -1,6 +1,7 @@
 """Sampler tests: strategies against full-sort references, and the cached loop
 against full (no-cache) forward passes of a tiny fp32 model."""
 
+import dataclasses
 import functools
 
 import chex
@@ -441,6 +442,26 @@ class TestCpuDecodeAttention(chex.TestCase):
       assert not np.allclose(want, attend(q[:, :, :, None], keys, values, visible)[:, :, :, 0])
 
 
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_bfloat16_cache_is_read_as_its_float32_widening(self):
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    assert cpu_kernels.available()
+    b, k, g, hd, s, shared = 4, 2, 3, 40, 45, 9  # 2 groups of 2 rows; tails of 8 and 32
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((b, k, g, hd)), jnp.bfloat16)
+    keys = jnp.asarray(rng.standard_normal((b, k, hd, s)), jnp.bfloat16)
+    values = jnp.asarray(rng.standard_normal((b, k, s, hd)), jnp.bfloat16)
+    allowed = jnp.asarray(rng.random((b, s)) < 0.7).at[3].set(False)
+    kernel = self.variant(functools.partial(cpu_kernels.decode_attention, share_rows=2,
+                                            shared_slots=shared))
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    for limit in (1, 7, s):
+      got = kernel(q, keys, values, allowed, limit)
+      assert got.dtype == jnp.bfloat16
+      want = kernel(f32(q), f32(keys), f32(values), allowed, limit)  # the float32 kernel
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+
+
 class TestCpuLargestThreshold(chex.TestCase):
   """The C++ `largest_threshold` (top-k / top-p) against the XLA one and a full sort."""
 
@@ -489,6 +510,74 @@ class TestCpuLargestThreshold(chex.TestCase):
       target = jnp.full((2,), k, jnp.float32)
       got = cpu_kernels.largest_threshold(values, jnp.ones_like(values), target)
       np.testing.assert_array_equal(got, strategies.largest_threshold(values, jnp.ones_like(values), target))
+
+
+# ---------------------------------------------------------------------------
+# The AMX bf16 products (CPU).
+
+
+def test_pack_bf16_lays_out_pairs_of_rows_per_tile():
+  from epgrpo_jax.kernels import cpu as cpu_kernels
+  w = jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48)  # integers below 256 stay exact
+  w = w % 251
+  packed = np.asarray(cpu_kernels.pack_bf16(w)).astype(np.float32)
+  assert packed.shape == (3, 2, 16, 32)
+  for n, c, r, j, e in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (2, 1, 15, 15, 1), (1, 0, 7, 3, 0)]:
+    assert packed[n, c, r, 2 * j + e] == float(w[32 * c + 2 * r + e, 16 * n + j])
+  assert cpu_kernels.can_pack(w) and not cpu_kernels.can_pack(w[:, :40])
+  assert not cpu_kernels.can_pack(w[:48])
+
+
+def amx_or_skip():
+  from epgrpo_jax.kernels import cpu as cpu_kernels
+  if not cpu_kernels.amx_available():
+    pytest.skip("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
+  return cpu_kernels
+
+
+class TestCpuPackedMatmul(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_equals_the_bf16_product_with_float32_accumulation(self):
+    cpu_kernels = amx_or_skip()
+    rng = np.random.default_rng(3)
+    # rows: 3 x 16 (a lone block of 16 after a pair) and 2 x 5 (padded); 48 columns = 3
+    # blocks of 16 (a lone block after a pair); K = 96, three tiles deep.
+    for lead in ((48,), (2, 5)):
+      x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.bfloat16)
+      w = jnp.asarray(rng.standard_normal((96, 48)), jnp.bfloat16)
+      packed = cpu_kernels.pack_bf16(w)
+      want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+      got = self.variant(functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32))(
+          x, packed)
+      assert got.shape == (*lead, 48) and got.dtype == jnp.float32
+      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-5)
+      rounded = self.variant(cpu_kernels.packed_matmul)(x, packed)
+      assert rounded.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(rounded), np.asarray(got.astype(jnp.bfloat16)))
+
+
+def test_bf16_sampler_runs_its_projections_on_amx_like_xla(monkeypatch):
+  from epgrpo_jax.kernels import cpu as cpu_kernels
+  amx_or_skip()
+  cfg = dataclasses.replace(preset("test-tiny"), dtype="bfloat16", param_dtype="bfloat16",
+                            vocab_size=112)  # a head AMX takes (97 is no multiple of 16)
+  m = Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0))
+  m.lm_head[...] = m.lm_head[...] * 30.0
+  for layer in lora_layers(m):  # adapters that change the policy, merged by the sampler
+    layer.lora_b[...] = jnp.full(layer.lora_b.shape, 0.05)
+  config = SamplingConfig(greedy=True, max_new_tokens=16, **BUCKETS)
+  with_amx = Sampler(config)
+  got = with_amx.sample(m, PROMPTS, 2, jax.random.key(0))
+  text = next(iter(with_amx._programs.values())).as_text()
+  assert text.count('custom_call_target="epgrpo_packed_matmul"') >= 4 * cfg.num_layers
+  assert 'custom_call_target="epgrpo_packed_matmul_f32"' in text  # the head
+  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+  with_xla = Sampler(config)
+  want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
+  assert "epgrpo_packed_matmul" not in next(iter(with_xla._programs.values())).as_text()
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
 
 
 def uses_cpu_kernel(sampler: Sampler) -> bool:

@@ -1,9 +1,12 @@
-// CPU kernels for the sampler, as XLA FFI handlers: decode attention (EpgrpoDecodeAttention)
-// and the top-k / top-p thresholds (EpgrpoLargestThreshold, at the end of this file).
+// CPU kernels for the sampler, as XLA FFI handlers: decode attention (EpgrpoDecodeAttention),
+// the top-k / top-p thresholds (EpgrpoLargestThreshold) and a bf16 matmul on AMX tiles
+// (EpgrpoPackedMatmul, at the end of this file).
 //
 // Decode attention: one query token per row over a KV cache.
-// Inputs (float32 unless noted): q [B, K, G, Hd], keys [B, K, Hd, S], values [B, K, S, Hd],
-// allowed [B, S] (pred), limit [] (int32: only slots [0, limit) are read).
+// Inputs: q [B, K, G, Hd] float32, keys [B, K, Hd, S] and values [B, K, S, Hd] both float32
+// (EpgrpoDecodeAttention) or both bfloat16 (EpgrpoDecodeAttentionBf16: widened to float32
+// as they are read; all arithmetic is float32), allowed [B, S] (pred), limit [] (int32:
+// only slots [0, limit) are read).
 // Attributes: share_rows, shared_slots: rows come in groups of share_rows consecutive rows
 // whose keys and values in slots [0, shared_slots) are identical (the sampler's G copies of
 // a prompt's cache); those slots are read from each group's first row only.
@@ -25,6 +28,12 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -65,18 +74,39 @@ inline v8 Load(const float* p) {
 
 inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
+using v8u = uint32_t __attribute__((vector_size(32)));
+using v8h = uint16_t __attribute__((vector_size(16)));
+
+// A bfloat16 is the upper half of a float32's bits.
+inline float Widen(float x) { return x; }
+inline float Widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline v8 Load(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u bits = __builtin_convertvector(h, v8u) << 16;
+  v8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
 // c[g, :cols] (+)= a[g, :rows] @ b[:rows, :cols] for NG rows of a (lda, ldb, ldc: row
 // strides). Blocks of 32 (then 8) columns of c stay in vector registers over all of `rows`,
-// so b is streamed once and c is written once.
-template <int NG>
-void MatMul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rows,
+// so b is streamed once and c is written once. b is float32 or bfloat16 (uint16_t).
+template <int NG, typename T>
+void MatMul(const float* a, int64_t lda, const T* b, int64_t ldb, int64_t rows,
             int64_t cols, float* c, int64_t ldc, bool accumulate) {
   auto put = [&](float* out, v8 value) { Store(out, accumulate ? Load(out) + value : value); };
   int64_t j = 0;
   for (; j + 32 <= cols; j += 32) {
     v8 acc[NG][4] = {};
     for (int64_t r = 0; r < rows; ++r) {
-      const float* row = b + r * ldb + j;
+      const T* row = b + r * ldb + j;
       const v8 b0 = Load(row), b1 = Load(row + 8), b2 = Load(row + 16), b3 = Load(row + 24);
       for (int g = 0; g < NG; ++g) {
         const float x = a[g * lda + r];
@@ -100,23 +130,25 @@ void MatMul(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t ro
   for (; j < cols; ++j) {
     for (int g = 0; g < NG; ++g) {
       float acc = 0.0f;
-      for (int64_t r = 0; r < rows; ++r) acc += a[g * lda + r] * b[r * ldb + j];
+      for (int64_t r = 0; r < rows; ++r) acc += a[g * lda + r] * Widen(b[r * ldb + j]);
       c[g * ldc + j] = accumulate ? c[g * ldc + j] + acc : acc;
     }
   }
 }
 
 // MatMul for all G queries, two at a time.
-void MatMulAll(int64_t G, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rows,
+template <typename T>
+void MatMulAll(int64_t G, const float* a, int64_t lda, const T* b, int64_t ldb, int64_t rows,
                int64_t cols, float* c, int64_t ldc, bool accumulate) {
   int64_t g = 0;
   for (; g + 2 <= G; g += 2)
-    MatMul<2>(a + g * lda, lda, b, ldb, rows, cols, c + g * ldc, ldc, accumulate);
-  for (; g < G; ++g) MatMul<1>(a + g * lda, lda, b, ldb, rows, cols, c + g * ldc, ldc, accumulate);
+    MatMul<2, T>(a + g * lda, lda, b, ldb, rows, cols, c + g * ldc, ldc, accumulate);
+  for (; g < G; ++g) MatMul<1, T>(a + g * lda, lda, b, ldb, rows, cols, c + g * ldc, ldc, accumulate);
 }
 
 // scores[:, j0:j1] = q @ keys[:, j0:j1] (keys [Hd, S]; scores G x limit).
-void Scores(const Shape& s, const float* q, const float* keys, int64_t j0, int64_t j1,
+template <typename T>
+void Scores(const Shape& s, const float* q, const T* keys, int64_t j0, int64_t j1,
             float* scores) {
   if (j1 > j0)
     MatMulAll(s.groups, q, s.head_dim, keys + j0, s.slots, s.head_dim, j1 - j0, scores + j0,
@@ -124,7 +156,8 @@ void Scores(const Shape& s, const float* q, const float* keys, int64_t j0, int64
 }
 
 // out += weights[:, j0:j1] @ values[j0:j1] (values [S, Hd]; out G x Hd).
-void Weighted(const Shape& s, const float* weights, const float* values, int64_t j0, int64_t j1,
+template <typename T>
+void Weighted(const Shape& s, const float* weights, const T* values, int64_t j0, int64_t j1,
               float* out) {
   if (j1 > j0)
     MatMulAll(s.groups, weights + j0, s.limit, values + j0 * s.head_dim, s.head_dim, j1 - j0,
@@ -134,8 +167,9 @@ void Weighted(const Shape& s, const float* weights, const float* values, int64_t
 // One (row, KV head). Slots below `shared` are read from `shared_keys` / `shared_values`
 // (the first row of the row's group, identical there), the rest from the row's own cache.
 // scores: G x limit scratch; inv_total: G scratch.
-void AttendOne(const Shape& s, const float* q, const float* keys, const float* values,
-               const float* shared_keys, const float* shared_values, const bool* allowed,
+template <typename T>
+void AttendOne(const Shape& s, const float* q, const T* keys, const T* values,
+               const T* shared_keys, const T* shared_values, const bool* allowed,
                float* out, float* scores, float* inv_total) {
   const int64_t G = s.groups, H = s.head_dim, S = s.slots, L = s.limit;
   const int64_t shared = std::min(s.shared_slots, L);
@@ -144,7 +178,7 @@ void AttendOne(const Shape& s, const float* q, const float* keys, const float* v
   for (int64_t j = 0; j < L; ++j) count += allowed[j];
   if (count == 0) {
     for (int64_t j = 0; j < S; ++j)
-      for (int64_t h = 0; h < H; ++h) out[h] += values[j * H + h];
+      for (int64_t h = 0; h < H; ++h) out[h] += Widen(values[j * H + h]);
     for (int64_t h = 0; h < H; ++h) out[h] /= static_cast<float>(S);
     for (int64_t g = 1; g < G; ++g) std::copy(out, out + H, out + g * H);
     return;
@@ -194,8 +228,9 @@ void ParallelChunks(ffi::ThreadPool& pool, int64_t n, Body body) {
   while (counters->done.load() < chunks) std::this_thread::yield();
 }
 
+template <ffi::DataType KV>
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> keys, ffi::Buffer<ffi::F32> values,
+                               ffi::Buffer<KV> keys, ffi::Buffer<KV> values,
                                ffi::Buffer<ffi::PRED> allowed, ffi::Buffer<ffi::S32> limit,
                                ffi::ResultBuffer<ffi::F32> out, int64_t share_rows,
                                int64_t shared_slots) {
@@ -212,7 +247,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("decode attention: share_rows must divide the rows");
   const Shape s{qd[0], qd[1], qd[2], qd[3], kd[3], std::clamp<int64_t>(*limit.typed_data(), 0, kd[3]),
                 share_rows, std::clamp<int64_t>(shared_slots, 0, kd[3])};
-  const float *qp = q.typed_data(), *kp = keys.typed_data(), *vp = values.typed_data();
+  const float* qp = q.typed_data();
+  const auto *kp = keys.typed_data(), *vp = values.typed_data();
   const bool* ap = allowed.typed_data();
   float* op = out->typed_data();
   const int64_t K = s.kv_heads, per_q = s.groups * s.head_dim, per_kv = s.head_dim * s.slots;
@@ -239,7 +275,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 // weights [B, V] and target [B], the largest value t among the row's values with
 // sum(weights[values >= t]) >= target; the row's smallest value if none reaches it. The same
 // bisection over the float bits (as ordered integer keys) whose bracket snaps to values in
-// the row, each pass one vectorised sweep; masses are summed in double. Output [B].
+// the row, each pass one vectorised sweep of the values still inside the bracket; masses are
+// summed in double. Output [B].
 // Values must not be NaN.
 
 // Integer keys ordered like the floats, -0.0 mapped like 0.0 (they compare equal, and a
@@ -304,18 +341,44 @@ inline Sweep SweepRow(const float* v, const float* w, int64_t n, float t) {
   return s;
 }
 
-float LargestThreshold(const float* v, const float* w, int64_t n, float target) {
+// The values of v (and their weights) in [low, high], moved to the front of cv / cw (which
+// may be v / w themselves); returns their count. Branch-free: every value is written, the
+// end advances only past those kept.
+inline int64_t Keep(const float* v, const float* w, int64_t n, float low, float high, float* cv,
+                    float* cw) {
+  int64_t m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = v[j], y = w[j];
+    cv[m] = x;
+    cw[m] = y;
+    m += (x >= low) & (x <= high);
+  }
+  return m;
+}
+
+// The bisection keeps, besides the bracket [lo, hi) of keys, the values inside it (the
+// candidates) and the mass of the values at or above hi: each pass sweeps only the
+// candidates, which the bracket thins out, instead of the whole row. cv / cw: scratch of n.
+float LargestThreshold(const float* v, const float* w, int64_t n, float target, float* cv,
+                       float* cw) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Sweep all = SweepRow(v, w, n, -kInf);
   int64_t lo = OrderedKey(all.above);  // the smallest value
   int64_t hi = OrderedKey(all.largest) + 1;  // mass(hi) < target; hi - 1 is the largest value
+  double above = 0.0;  // the mass of the values with keys >= hi
+  const float *pv = v, *pw = w;
+  int64_t m = n;
   while (hi - lo > 1) {
-    const Sweep s = SweepRow(v, w, n, FromOrderedKey(lo + (hi - lo + 1) / 2));
-    if (s.mass >= target) {
+    const Sweep s = SweepRow(pv, pw, m, FromOrderedKey(lo + (hi - lo + 1) / 2));
+    if (above + s.mass >= target) {
       lo = OrderedKey(s.above);
     } else {
       hi = OrderedKey(s.below) + 1;
+      above += s.mass;
     }
+    m = Keep(pv, pw, m, FromOrderedKey(lo), FromOrderedKey(hi - 1), cv, cw);
+    pv = cv;
+    pw = cw;
   }
   return FromOrderedKey(lo);
 }
@@ -334,10 +397,150 @@ ffi::Error LargestThresholdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> valu
   float* op = out->typed_data();
   if (V == 0) return ffi::Error::InvalidArgument("largest threshold: empty rows");
   ParallelChunks(pool, vd[0], [=](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) op[b] = LargestThreshold(vp + b * V, wp + b * V, V, tp[b]);
+    std::vector<float> cv(V), cw(V);
+    for (int64_t b = begin; b < end; ++b)
+      op[b] = LargestThreshold(vp + b * V, wp + b * V, V, tp[b], cv.data(), cw.data());
   });
   return ffi::Error::Success();
 }
+
+
+// ---------------------------------------------------------------------------------------
+// bf16 matmul on AMX (EpgrpoPackedMatmul, bf16 output, and EpgrpoPackedMatmulF32): x [M, K]
+// bf16, M a multiple of 16, times a weight packed by `cpu.pack_bf16` into 16 x 32 bf16
+// tiles [N/16, K/32, 16, 32]: row r of tile (n, c) holds, for each of the 16 columns
+// 16n..16n+15, the pair w[32c + 2r], w[32c + 2r + 1] (the layout AMX's bf16 product reads).
+// Output [M, N]: float32 accumulation, kept or rounded once to bf16 (nearest even). Blocks
+// of 32 x 32 outputs; a pair of 16-column blocks' weights (K x 32) is read from memory once
+// per task and stays in L2 across the task's rows.
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+
+bool AmxReady() {  // the kernel must ask Linux for the tile registers' state, once
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+inline void Put(float* out, const float* c) { std::memcpy(out, c, 16 * sizeof(float)); }
+inline void Put(uint16_t* out, const float* c) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(c))));
+}
+
+// out[m0 : m0 + 16 * mt, 16 * n0 : 16 * (n0 + nt)] for mt, nt in {1, 2}. Tiles 0-3 hold
+// the (row block, column block) sums, 4-5 the row blocks of x, 6-7 the weight blocks.
+template <typename Out>
+void PackedBlock(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int64_t m0, int mt,
+                 int64_t n0, int nt, Out* out) {
+  const int64_t chunks = K / 32, stride = K * 2;
+  const uint16_t *a0 = x + m0 * K, *a1 = a0 + 16 * K;
+  const uint16_t *b0 = w + n0 * chunks * 512, *b1 = b0 + chunks * 512;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, a0 + 32 * c, stride);
+    _tile_loadd(6, b0 + 512 * c, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nt == 2) {
+      _tile_loadd(7, b1 + 512 * c, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (mt == 2) {
+      _tile_loadd(5, a1 + 32 * c, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (nt == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[4][256];
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(1, sums[1], 64);
+  _tile_stored(2, sums[2], 64);
+  _tile_stored(3, sums[3], 64);
+  for (int i = 0; i < mt; ++i)
+    for (int j = 0; j < nt; ++j)
+      for (int r = 0; r < 16; ++r)
+        Put(out + (m0 + 16 * i + r) * N + 16 * (n0 + j), sums[2 * i + j] + 16 * r);
+}
+
+template <ffi::DataType OUT>
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                            ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<OUT> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[2] != 16 || wd[3] != 32 ||
+      xd[1] != 32 * wd[1] || xd[0] % 16 != 0 || od[0] != xd[0] || od[1] != 16 * wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "packed matmul: expected x [M, K] (M a multiple of 16), w [N/16, K/32, 16, 32], "
+        "out [M, N]");
+  }
+  if (!AmxReady()) return ffi::Error::Internal("packed matmul: no AMX tile state from Linux");
+  const int64_t M = xd[0], K = xd[1], blocks = wd[0], N = 16 * blocks;
+  const uint16_t *xp = x.typed_data(), *wp = w.typed_data();
+  auto* op = out->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(op, op + M * N, 0);
+    return ffi::Error::Success();
+  }
+  // Column pairs [p0, p1) times row pairs [r0, r1), column pairs outermost unless
+  // `rows_outer`.
+  auto run = [=](int64_t p0, int64_t p1, int64_t r0, int64_t r1, bool rows_outer) {
+    TileConfig config = {};
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      config.bytes_per_row[t] = 64;
+      config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+    auto block = [&](int64_t pair, int64_t r) {
+      PackedBlock(xp, wp, K, N, 32 * r, M - 32 * r >= 32 ? 2 : 1, 2 * pair,
+                  std::min<int64_t>(2, blocks - 2 * pair), op);
+    };
+    if (rows_outer) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t pair = p0; pair < p1; ++pair) block(pair, r);
+    } else {
+      for (int64_t pair = p0; pair < p1; ++pair)
+        for (int64_t r = r0; r < r1; ++r) block(pair, r);
+    }
+    _tile_release();
+  };
+  const int64_t pairs = (blocks + 1) / 2, row_pairs = (M + 31) / 32;
+  // Few rows (decoding): tasks split the columns, each reading its weights once. Many rows
+  // (training): tasks split the rows (ParallelChunks makes 4 per thread); each 32 columns
+  // then sweep the task's rows if those fit in L2 (1 MiB of x), else each 32 rows sweep
+  // the columns.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (row_pairs >= 16 * threads) {
+    const bool rows_outer = 32 * row_pairs / (4 * threads) * K * 2 > (1 << 20);
+    ParallelChunks(pool, row_pairs,
+                   [=](int64_t r0, int64_t r1) { run(0, pairs, r0, r1, rows_outer); });
+  } else {
+    ParallelChunks(pool, pairs,
+                   [=](int64_t p0, int64_t p1) { run(p0, p1, 0, row_pairs, false); });
+  }
+  return ffi::Error::Success();
+}
+
+#else  // no AMX: the handlers exist and refuse
+
+bool AmxReady() { return false; }
+
+template <ffi::DataType OUT>
+ffi::Error PackedMatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
+                            ffi::ResultBuffer<OUT>) {
+  return ffi::Error::Internal("packed matmul: built without AMX (see cpu.amx_available)");
+}
+
+#endif
 
 }  // namespace
 
@@ -349,14 +552,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoLargestThreshold, LargestThresholdImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoDecodeAttention, DecodeAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("share_rows")
-                                  .Attr<int64_t>("shared_slots"));
+#define EPGRPO_DECODE_ATTENTION(NAME, KV)                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, DecodeAttentionImpl<KV>,         \
+                                ffi::Ffi::Bind()                       \
+                                    .Ctx<ffi::ThreadPool>()            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()      \
+                                    .Arg<ffi::Buffer<KV>>()            \
+                                    .Arg<ffi::Buffer<KV>>()            \
+                                    .Arg<ffi::Buffer<ffi::PRED>>()     \
+                                    .Arg<ffi::Buffer<ffi::S32>>()      \
+                                    .Ret<ffi::Buffer<ffi::F32>>()      \
+                                    .Attr<int64_t>("share_rows")       \
+                                    .Attr<int64_t>("shared_slots"));
+
+EPGRPO_DECODE_ATTENTION(EpgrpoDecodeAttention, ffi::F32)
+EPGRPO_DECODE_ATTENTION(EpgrpoDecodeAttentionBf16, ffi::BF16)
+
+#define EPGRPO_PACKED_MATMUL(NAME, OUT)                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, PackedMatmulImpl<OUT>,          \
+                                ffi::Ffi::Bind()                      \
+                                    .Ctx<ffi::ThreadPool>()           \
+                                    .Arg<ffi::Buffer<ffi::BF16>>()    \
+                                    .Arg<ffi::Buffer<ffi::BF16>>()    \
+                                    .Ret<ffi::Buffer<OUT>>());
+
+EPGRPO_PACKED_MATMUL(EpgrpoPackedMatmul, ffi::BF16)
+EPGRPO_PACKED_MATMUL(EpgrpoPackedMatmulF32, ffi::F32)
+
+// 1 if the packed matmul can run here (built with AMX, and Linux grants the tile state).
+extern "C" int EpgrpoAmxReady() { return AmxReady() ? 1 : 0; }

@@ -7,6 +7,9 @@ slots up to the current one, a prompt's slots once for its G rows, and shares
 the rows over XLA's intra-op threads. `largest_threshold`: the top-k / top-p
 bisection of `strategies.largest_threshold`, one vectorised sweep of a row per
 step instead of a dozen single-threaded XLA loop iterations over the batch.
+`packed_matmul`: a bf16 matmul on the CPU's AMX tiles by a weight packed once
+(`pack_bf16`); at decode shapes XLA's dots reread each weight from memory far
+below bandwidth (`amx_available()` says whether it runs here).
 `cpu.cc` is compiled with the system's C++
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
 `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
@@ -34,7 +37,10 @@ import numpy as np
 logger = logging.getLogger("epgrpo_jax.models")
 
 TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
-           "epgrpo_largest_threshold": "EpgrpoLargestThreshold"}  # FFI target: C++ symbol
+           "epgrpo_decode_attention_bf16": "EpgrpoDecodeAttentionBf16",
+           "epgrpo_largest_threshold": "EpgrpoLargestThreshold",
+           "epgrpo_packed_matmul": "EpgrpoPackedMatmul",
+           "epgrpo_packed_matmul_f32": "EpgrpoPackedMatmulF32"}  # FFI target: C++ symbol
 SOURCE = Path(__file__).with_name("cpu.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -95,20 +101,32 @@ def available() -> bool:
   return True
 
 
+@functools.cache
+def amx_available() -> bool:
+  """Whether `packed_matmul` runs here: the kernels are built for a CPU with AMX-BF16 tiles
+  and Linux grants this process their state."""
+  return available() and bool(ctypes.cdll.LoadLibrary(str(build())).EpgrpoAmxReady())
+
+
 def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit, *,
                      share_rows: int = 1, shared_slots: int = 0):
   """softmax(q . keys / sqrt(Hd)) . values over the slots < `limit` that `allowed_BxS` marks.
 
   Rows come in groups of `share_rows` consecutive rows whose keys and values in slots
   `[0, shared_slots)` are identical (a prompt's cache copied to its G samples); the kernel
-  reads those slots from each group's first row only. float32; call `available()` first.
+  reads those slots from each group's first row only. A bfloat16 cache is read as it is
+  (half the bytes of float32), any other as float32; the arithmetic is float32 and the
+  output has q's dtype. Call `available()` first.
   """
+  cache_dtype = jnp.bfloat16 if keys_BxKxHdxS.dtype == values_BxKxSxHd.dtype == jnp.bfloat16 \
+      else jnp.float32
+  target = "epgrpo_decode_attention_bf16" if cache_dtype == jnp.bfloat16 else "epgrpo_decode_attention"
   out = jax.ShapeDtypeStruct(q_BxKxGxHd.shape, jnp.float32)
-  return jax.ffi.ffi_call("epgrpo_decode_attention", out)(
-      q_BxKxGxHd.astype(jnp.float32), keys_BxKxHdxS.astype(jnp.float32),
-      values_BxKxSxHd.astype(jnp.float32), allowed_BxS.astype(bool),
+  return jax.ffi.ffi_call(target, out)(
+      q_BxKxGxHd.astype(jnp.float32), keys_BxKxHdxS.astype(cache_dtype),
+      values_BxKxSxHd.astype(cache_dtype), allowed_BxS.astype(bool),
       jnp.asarray(limit, jnp.int32), share_rows=np.int64(share_rows),
-      shared_slots=np.int64(shared_slots))
+      shared_slots=np.int64(shared_slots)).astype(q_BxKxGxHd.dtype)
 
 
 def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: jax.Array) -> jax.Array:
@@ -116,3 +134,33 @@ def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: j
   out = jax.ShapeDtypeStruct(values_BxV.shape[:1], jnp.float32)
   return jax.ffi.ffi_call("epgrpo_largest_threshold", out)(
       values_BxV.astype(jnp.float32), weights_BxV.astype(jnp.float32), target_B.astype(jnp.float32))
+
+
+def can_pack(w_KxN: jax.Array) -> bool:
+  """Whether `pack_bf16` takes this weight: 2-D, K a multiple of 32, N of 16."""
+  return w_KxN.ndim == 2 and w_KxN.shape[0] % 32 == 0 and w_KxN.shape[1] % 16 == 0
+
+
+def pack_bf16(w_KxN: jax.Array) -> jax.Array:
+  """w as bf16 tiles for `packed_matmul`: [N/16, K/32, 16, 32], row r of tile (n, c) holding
+  w[32c + 2r, 16n + j] and w[32c + 2r + 1, 16n + j] for j = 0..15 in turn."""
+  k, n = w_KxN.shape
+  w = w_KxN.astype(jnp.bfloat16).reshape(k // 32, 16, 2, n // 16, 16)
+  return w.transpose(3, 0, 1, 4, 2).reshape(n // 16, k // 32, 16, 32)
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
+  """x @ w for w packed by `pack_bf16`, over x's last axis, on AMX tiles: x rounded to bf16,
+  float32 accumulation, the result in `out_dtype` (bfloat16: rounded once, or float32).
+  Call `amx_available()` first."""
+  blocks, chunks = packed.shape[:2]
+  lead, k = x.shape[:-1], x.shape[-1]
+  x_MxK = x.astype(jnp.bfloat16).reshape(-1, k)
+  m = x_MxK.shape[0]
+  pad = -m % 16
+  if pad:
+    x_MxK = jnp.pad(x_MxK, ((0, pad), (0, 0)))
+  target = "epgrpo_packed_matmul_f32" if out_dtype == jnp.float32 else "epgrpo_packed_matmul"
+  out = jax.ShapeDtypeStruct((m + pad, 16 * blocks), jnp.dtype(out_dtype))
+  y = jax.ffi.ffi_call(target, out)(x_MxK, packed.astype(jnp.bfloat16))
+  return y[:m].reshape(*lead, 16 * blocks)

@@ -7,11 +7,17 @@ second copy of the base weights.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
+import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from epgrpo_jax.kernels import cpu as cpu_kernels
 
 # Filters over model state: adapters only, and the frozen base.
 LORA = nnx.LoRAParam
@@ -29,8 +35,36 @@ def matmul(x: jax.Array, w_IxO: jax.Array) -> jax.Array:
   return _rounded_matmul(x, w_IxO)
 
 
+_ONE_DEVICE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("one_device", default=None)
+
+
+@contextlib.contextmanager
+def one_device_program(flag: bool):
+  """While tracing inside, whether the program runs on a single device (outside: whether
+  the process has one). Only then may `matmul` call the CPU's AMX kernel, which XLA cannot
+  shard over a mesh."""
+  token = _ONE_DEVICE.set(flag)
+  try:
+    yield
+  finally:
+    _ONE_DEVICE.reset(token)
+
+
+def _on_amx(x, w_IxO) -> bool:
+  """Whether `_rounded_matmul` multiplies on AMX tiles: bf16 in a single-device program on a
+  CPU with AMX-BF16, a `w` the tiles take and no wider than x is long (packing it is then
+  the smaller cost)."""
+  one_device = _ONE_DEVICE.get()
+  if one_device is None:
+    one_device = jax.device_count() == 1
+  return (one_device and x.dtype == w_IxO.dtype == jnp.bfloat16 and cpu_kernels.can_pack(w_IxO)
+          and w_IxO.shape[1] <= math.prod(x.shape[:-1]) and cpu_kernels.amx_available())
+
+
 @jax.custom_vjp
 def _rounded_matmul(x, w_IxO):
+  if _on_amx(x, w_IxO):
+    return cpu_kernels.packed_matmul(x, cpu_kernels.pack_bf16(w_IxO))
   return jnp.matmul(x, w_IxO, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -83,6 +117,22 @@ def _low_rank_bwd(res, dy):
 low_rank.defvjp(_low_rank_fwd, _low_rank_bwd)
 
 
+_PRODUCTS: contextvars.ContextVar[dict] = contextvars.ContextVar("dense_products", default={})
+
+
+@contextlib.contextmanager
+def dense_products(table: dict[tuple[int, ...], Callable[[jax.Array], jax.Array]]):
+  """While tracing inside, a `Linear` (key `(id(layer),)`) or a group run by `fused` (the
+  ids of its layers in order) computes its base product `x @ kernel` (kernels concatenated)
+  as `table[key](x)`, in the layers' dtype; e.g. the sampler's AMX products over weights
+  packed once per call. Biases and unmerged adapters are added as usual."""
+  token = _PRODUCTS.set(table)
+  try:
+    yield
+  finally:
+    _PRODUCTS.reset(token)
+
+
 class Linear(nnx.Module):
   """y = x @ kernel (+ bias) (+ scale * (x @ lora_a) @ lora_b)."""
 
@@ -107,7 +157,8 @@ class Linear(nnx.Module):
 
   def __call__(self, x, adapters: bool = True):
     x = x.astype(self.dtype)
-    y = matmul(x, self.kernel[...].astype(self.dtype))
+    product = _PRODUCTS.get().get((id(self),))
+    y = product(x) if product else matmul(x, self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     if self.has_lora and adapters != self.merged:
@@ -140,8 +191,12 @@ def fused(layers: "list[Linear]", x, adapters: bool) -> list[jax.Array]:
   if len(layers) == 1 or any(layer.has_lora and not (layer.merged and adapters) for layer in layers):
     return [layer(x, adapters) for layer in layers]
   dtype = layers[0].dtype
-  kernel = jnp.concatenate([layer.kernel[...].astype(dtype) for layer in layers], axis=-1)
-  y = matmul(x.astype(dtype), kernel)
+  product = _PRODUCTS.get().get(tuple(map(id, layers)))
+  if product:
+    y = product(x.astype(dtype))
+  else:
+    kernel = jnp.concatenate([layer.kernel[...].astype(dtype) for layer in layers], axis=-1)
+    y = matmul(x.astype(dtype), kernel)
   if any(layer.bias is not None for layer in layers):
     y = y + jnp.concatenate([
         layer.bias[...].astype(dtype) if layer.bias is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Callable
 
 import jax
@@ -47,7 +48,7 @@ _DECODE_KERNEL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def decode_kernel(fn: Callable | None):
-  """While tracing inside, one-token decode steps over a float32 cache attend with
+  """While tracing inside, one-token decode steps over a float32 or bfloat16 cache attend with
   `fn(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit)` (slots < limit
   are read) instead of `attend`; e.g. `cpu_kernels.decode_attention`."""
   token = _DECODE_KERNEL.set(fn)
@@ -184,6 +185,21 @@ def _linear(cfg: ModelConfig, lora: LoraConfig | None, name: str, d_in, d_out, b
                 lora_scale=lora.scale if rank else 1.0)
 
 
+def write_slots(cache: jax.Array, new: jax.Array, start: tuple) -> jax.Array:
+  """`new` (cast to the cache's dtype) written into `cache` at `start`.
+
+  On CPU a 16-bit float cache is written through its bit pattern: XLA:CPU widens a bf16
+  dynamic-update-slice to float32, which converts the whole cache there and back at every
+  decode step.
+  """
+  new = new.astype(cache.dtype)
+  if cache.dtype not in (jnp.bfloat16, jnp.float16) or jax.default_backend() != "cpu":
+    return jax.lax.dynamic_update_slice(cache, new, start)
+  bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
+  return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(bits(cache), bits(new), start),
+                                      cache.dtype)
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
@@ -212,15 +228,13 @@ class Attention(nnx.Module):
     if write_index is None:
       keys, values = k_BxKxHdxT, v_BxKxTxHd
     else:
-      keys = jax.lax.dynamic_update_slice(k_BxKxHdxS, k_BxKxHdxT.astype(k_BxKxHdxS.dtype),
-                                          (0, 0, 0, write_index))
-      values = jax.lax.dynamic_update_slice(v_BxKxSxHd, v_BxKxTxHd.astype(v_BxKxSxHd.dtype),
-                                            (0, 0, write_index, 0))
+      keys = write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
+      values = write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
     groups = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
     kernel = _DECODE_KERNEL.get()
     if (kernel is not None and t == 1 and write_index is not None
-        and q.dtype == keys.dtype == values.dtype == jnp.float32):
+        and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
       out = kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
     elif attention[0] == "plain" or t == 1:
       out = _attention.attend(q, keys, values,
@@ -282,6 +296,13 @@ class Qwen2(nnx.Module):
     else:
       self.lm_head = nnx.Param(jax.nn.initializers.normal(0.02)(
           rngs.params(), (cfg.hidden_size, cfg.vocab_size), pdt))
+
+  def linear_groups(self) -> list[list[Linear]]:
+    """The projections as the forward pass multiplies them: q/k/v and gate/up each as one
+    `fused` group, o and down alone."""
+    return [group for block in self.layers for group in (
+        [block.attn.q, block.attn.k, block.attn.v], [block.attn.o],
+        [block.mlp.gate, block.mlp.up], [block.mlp.down])]
 
   def head_DxV(self) -> jax.Array:
     """The output projection, [hidden, vocab], in the compute dtype."""

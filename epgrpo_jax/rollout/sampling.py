@@ -29,7 +29,8 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, merge_lora, rope_table
+from epgrpo_jax.models import (Qwen2, as_dtype, decode_kernel, dense_products, init_cache, merge_lora,
+                               rope_table)
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
@@ -58,6 +59,21 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
   return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
 
 
+def packed_products(model: Qwen2) -> dict:
+  """`dense_products` table of the model's projection groups whose layers are their kernels
+  alone (no adapters, or merged ones) and whose concatenated kernel AMX tiles fit: each
+  kernel packed once (`cpu_kernels.pack_bf16`), multiplied by `cpu_kernels.packed_matmul`."""
+  table = {}
+  for group in model.linear_groups():
+    if any(layer.has_lora and not layer.merged for layer in group):
+      continue
+    w = jnp.concatenate([layer.kernel[...] for layer in group], axis=-1)
+    if cpu_kernels.can_pack(w):
+      table[tuple(map(id, group))] = functools.partial(cpu_kernels.packed_matmul,
+                                                       packed=cpu_kernels.pack_bf16(w))
+  return table
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How to pick tokens and how to bucket shapes.
@@ -72,9 +88,11 @@ class SamplingConfig:
   exactly `max_new_tokens` (benchmarks). `merge_lora` folds LoRA adapters into
   the kernels once per call instead of applying them at every decode step
   (the same policy up to rounding in the compute dtype). `cpu_kernels` runs
-  the decode steps' attention (float32 cache) and the top-k / top-p thresholds
-  in C++ kernels on a single CPU device (built on first use; XLA where they
-  cannot be built, on accelerators, and over a mesh of several devices).
+  the decode steps' attention (float32 or bfloat16 cache) and the top-k / top-p
+  thresholds in C++ kernels on a single CPU device, and a bfloat16 model's
+  projections and head on AMX tiles where the CPU has them (built on first
+  use; XLA where they cannot be built, on accelerators, and over a mesh of
+  several devices).
   """
 
   temperature: float = 1.0
@@ -270,6 +288,7 @@ class Sampler:
       kernels = self._use_cpu_kernels()
       fn = jax.jit(functools.partial(
           self._generate, graphdef, num_samples=g, gen_len=n,
+          amx=kernels and cpu_kernels.amx_available(),
           threshold=cpu_kernels.largest_threshold if kernels else largest_threshold))
       attention = (functools.partial(cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
                    if kernels else None)
@@ -300,19 +319,30 @@ class Sampler:
       return cache
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
-  def _generate(self, graphdef, state, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,
-                num_samples: int, gen_len: int, threshold: Threshold) -> SampleOutput:
-    cfg, g, n = self.config, num_samples, gen_len
+  def _generate(self, graphdef, state, *args, amx: bool, **kwargs) -> SampleOutput:
+    """`_decode` of the model (adapters merged unless `merge_lora` is off). With `amx` (the
+    CPU kernels and AMX tiles are available) a bf16 model's projections and head run as AMX
+    products over weights packed once here, outside the decode loop."""
     model: Qwen2 = nnx.merge(graphdef, state)
-    if cfg.merge_lora:
+    if self.config.merge_lora:
       merge_lora(model)  # in this trace only: the caller's state is untouched
+    head_DxV = model.head_DxV()
+    logits_of = functools.partial(jnp.dot, b=head_DxV, preferred_element_type=jnp.float32)
+    products = {}
+    if amx and as_dtype(model.cfg.dtype) == jnp.bfloat16:
+      products = packed_products(model)
+      if cpu_kernels.can_pack(head_DxV):
+        logits_of = functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32,
+                                      packed=cpu_kernels.pack_bf16(head_DxV))
+    with dense_products(products):
+      return self._decode(model, logits_of, *args, **kwargs)
+
+  def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,
+              num_samples: int, gen_len: int, threshold: Threshold) -> SampleOutput:
+    cfg, g, n = self.config, num_samples, gen_len
     p, tp = ids_PxTp.shape
     b = p * g
     cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
-    head_DxV = model.head_DxV()
-
-    def logits_of(hidden_BxD):
-      return jnp.dot(hidden_BxD, head_DxV, preferred_element_type=jnp.float32)
 
     # Prefill each prompt once into a cache with room for the first segment, then give
     # each of its G rows a copy (every cache leaf but the scalar index has batch first).

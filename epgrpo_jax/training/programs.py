@@ -22,7 +22,7 @@ from epgrpo_jax.core import optim
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import place
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import Qwen2, activation_constraint
+from epgrpo_jax.models import Qwen2, activation_constraint, one_device_program
 from epgrpo_jax.training.advantage_program import advantage_step
 from epgrpo_jax.training.packing import Packing, check_layout
 
@@ -370,12 +370,13 @@ class StepShardings:
 
 
 def _constrained(fn, mesh: jax.sharding.Mesh):
-  """`fn` traced with the model's hidden states kept batch-sharded over data x fsdp."""
+  """`fn` traced with the model's hidden states kept batch-sharded over data x fsdp, and
+  knowing whether it runs on one device (`one_device_program`)."""
   constrain = sharding.activation_constraints(mesh)
 
   @functools.wraps(fn)
   def wrapped(*args):
-    with activation_constraint(constrain):
+    with activation_constraint(constrain), one_device_program(mesh.size == 1):
       return fn(*args)
   return wrapped
 
