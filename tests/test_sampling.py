@@ -496,6 +496,23 @@ class TestCpuLargestThreshold(chex.TestCase):
           checked += 1
       assert checked > 200
 
+  def test_thresholds_at_a_large_vocabulary_equal_xla(self):
+    # Rows of 20,000 values: after the first passes the kernel sweeps only the values left
+    # inside its bracket (and the mass above it); the thresholds must not change.
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    assert cpu_kernels.available()
+    probs = jnp.asarray(softmax_np(random_logits(7, 12, 20000) * 3))
+    for top_p in (0.5, 0.95):
+      target = jnp.full((12,), top_p, jnp.float32)
+      got = cpu_kernels.largest_threshold(probs, probs, target)
+      np.testing.assert_array_equal(got, strategies.largest_threshold(probs, probs, target))
+    logits = jnp.asarray(random_logits(8, 12, 20000))
+    for k in (1, 50, 19999):
+      target = jnp.full((12,), k, jnp.float32)
+      np.testing.assert_array_equal(
+          cpu_kernels.largest_threshold(logits, jnp.ones_like(logits), target),
+          strategies.largest_threshold(logits, jnp.ones_like(logits), target))
+
   def test_unreachable_target_gives_the_smallest_value(self):
     from epgrpo_jax.kernels import cpu as cpu_kernels
     values = jnp.asarray([[0.5, -2.0, 7.0, 1.0], [3.0, 3.0, 3.0, 3.0]], jnp.float32)
