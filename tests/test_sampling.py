@@ -589,10 +589,13 @@ def test_bf16_sampler_runs_its_projections_on_amx_like_xla(monkeypatch):
   text = next(iter(with_amx._programs.values())).as_text()
   assert text.count('custom_call_target="epgrpo_packed_matmul"') >= 4 * cfg.num_layers
   assert 'custom_call_target="epgrpo_packed_matmul_f32"' in text  # the head
-  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
-  with_xla = Sampler(config)
+  with_xla = Sampler(config.replace(amx=False))
   want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
   assert "epgrpo_packed_matmul" not in next(iter(with_xla._programs.values())).as_text()
+  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)  # a CPU without AMX
+  without = Sampler(config)
+  without.sample(m, PROMPTS, 2, jax.random.key(0))
+  assert "epgrpo_packed_matmul" not in next(iter(without._programs.values())).as_text()
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
 

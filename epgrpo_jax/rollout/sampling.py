@@ -89,10 +89,11 @@ class SamplingConfig:
   the kernels once per call instead of applying them at every decode step
   (the same policy up to rounding in the compute dtype). `cpu_kernels` runs
   the decode steps' attention (float32 or bfloat16 cache) and the top-k / top-p
-  thresholds in C++ kernels on a single CPU device, and a bfloat16 model's
-  projections and head on AMX tiles where the CPU has them (built on first
-  use; XLA where they cannot be built, on accelerators, and over a mesh of
-  several devices).
+  thresholds in C++ kernels on a single CPU device, and, with `amx`, a bfloat16
+  model's projections and head on AMX tiles where the CPU has them (built on
+  first use; XLA where they cannot be built, on accelerators, and over a mesh
+  of several devices). The AMX products hold a packed copy of the bf16 weights
+  for the duration of a call; `amx=false` saves that memory.
   """
 
   temperature: float = 1.0
@@ -107,6 +108,7 @@ class SamplingConfig:
   ignore_eos: bool = False
   merge_lora: bool = True
   cpu_kernels: bool = True
+  amx: bool = True
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -288,7 +290,7 @@ class Sampler:
       kernels = self._use_cpu_kernels()
       fn = jax.jit(functools.partial(
           self._generate, graphdef, num_samples=g, gen_len=n,
-          amx=kernels and cpu_kernels.amx_available(),
+          amx=kernels and self.config.amx and cpu_kernels.amx_available(),
           threshold=cpu_kernels.largest_threshold if kernels else largest_threshold))
       attention = (functools.partial(cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
                    if kernels else None)
