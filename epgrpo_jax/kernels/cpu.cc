@@ -1,6 +1,6 @@
-// CPU kernels for the sampler, as XLA FFI handlers: decode attention (EpgrpoDecodeAttention),
-// the top-k / top-p thresholds (EpgrpoLargestThreshold) and a bf16 matmul on AMX tiles
-// (EpgrpoPackedMatmul, at the end of this file).
+// CPU kernels as XLA FFI handlers: for the sampler, decode attention (EpgrpoDecodeAttention)
+// and the top-k / top-p thresholds (EpgrpoLargestThreshold); for the sampler and bf16
+// training, a bf16 matmul on AMX tiles (EpgrpoPackedMatmul, at the end of this file).
 //
 // Decode attention: one query token per row over a KV cache.
 // Inputs: q [B, K, G, Hd] float32, keys [B, K, Hd, S] and values [B, K, S, Hd] both float32

@@ -1,4 +1,4 @@
-"""The sampler's C++ XLA FFI kernels for the CPU, built on first use.
+"""C++ XLA FFI kernels for the CPU (the sampler's, and a bf16 matmul), built on first use.
 
 `decode_attention`: XLA:CPU runs the decode step's attention (a few hundred
 `[G, Hd] x [Hd, S]` products per layer) well below memory bandwidth, and reads
@@ -153,14 +153,16 @@ def packed_matmul(x: jax.Array, packed: jax.Array, out_dtype=jnp.bfloat16) -> ja
   """x @ w for w packed by `pack_bf16`, over x's last axis, on AMX tiles: x rounded to bf16,
   float32 accumulation, the result in `out_dtype` (bfloat16: rounded once, or float32).
   Call `amx_available()` first."""
-  blocks, chunks = packed.shape[:2]
+  if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    raise ValueError(f"packed_matmul: out_dtype must be bfloat16 or float32, got {out_dtype}")
+  blocks = packed.shape[0]
   lead, k = x.shape[:-1], x.shape[-1]
   x_MxK = x.astype(jnp.bfloat16).reshape(-1, k)
   m = x_MxK.shape[0]
   pad = -m % 16
   if pad:
     x_MxK = jnp.pad(x_MxK, ((0, pad), (0, 0)))
-  target = "epgrpo_packed_matmul_f32" if out_dtype == jnp.float32 else "epgrpo_packed_matmul"
+  target = "epgrpo_packed_matmul_f32" if jnp.dtype(out_dtype) == jnp.float32 else "epgrpo_packed_matmul"
   out = jax.ShapeDtypeStruct((m + pad, 16 * blocks), jnp.dtype(out_dtype))
   y = jax.ffi.ffi_call(target, out)(x_MxK, packed.astype(jnp.bfloat16))
   return y[:m].reshape(*lead, 16 * blocks)
