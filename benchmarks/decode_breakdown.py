@@ -27,10 +27,10 @@ for measurement only; their tokens are not a model's.
        --variants full,no-attention,greedy]
 
 `--model DIR` runs a real Qwen2/Qwen2.5 checkpoint instead of bench-tiny (in
-`--dtype`, which also sets the cache dtype: the C++ attention kernel only takes
-a float32 cache, so bf16 decodes attend in XLA), and adds a "head matmul" line:
-the LM head alone, [B, D] x [D, V] with float32 accumulation, jitted and timed
-per call, so the head's share of a step is read directly. `--variants` picks
+`--dtype`, which also sets the cache dtype; in bf16 on a CPU with AMX tiles the
+sampler's projections and head run in the AMX kernel), and adds a "head matmul"
+line: the LM head alone, [B, D] x [D, V] with float32 accumulation in XLA,
+jitted and timed per call, so the head's share of a step is read directly. `--variants` picks
 the variants by name (spaces as dashes); compiling each one for a 24-layer
 model takes a while.
 """
