@@ -652,9 +652,9 @@ class RoundedMatmulTest(chex.TestCase):
     if jax.default_backend() != "cpu" or not cpu_kernels.amx_available():
       self.skipTest("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((4, 16, 64)), jnp.bfloat16)  # 64 rows
+    x = jnp.asarray(rng.standard_normal((4, 64, 64)), jnp.bfloat16)  # 256 rows
     w = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)  # and its transpose: tiles fit
-    t = jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((4, 64, 32)), jnp.float32)
     def value_and_grads():  # a new function each time: jit caches traces per function
       return jax.jit(jax.value_and_grad(
           lambda x, w: jnp.sum(jnp.tanh(matmul(x, w).astype(jnp.float32)) * t), argnums=(0, 1)))
@@ -665,6 +665,8 @@ class RoundedMatmulTest(chex.TestCase):
     assert text.count('@epgrpo_packed_matmul(') == 2, text  # forward and input gradient
     with one_device_program(False):
       assert "epgrpo_packed_matmul" not in value_and_grads().lower(x, w).as_text()
+    with one_device_program(True):  # fewer rows than AMX_MIN_ROWS: XLA's dot
+      assert "epgrpo_packed_matmul" not in jax.jit(lambda x, w: matmul(x, w)).lower(x[:3], w).as_text()
     with mock.patch.object(cpu_kernels, "amx_available", lambda: False):
       want = value_and_grads()(x, w)  # XLA's dots
     chex.assert_trees_all_close(jax.tree.map(lambda v: v.astype(jnp.float32), got),

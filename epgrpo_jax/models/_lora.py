@@ -50,15 +50,18 @@ def one_device_program(flag: bool):
     _ONE_DEVICE.reset(token)
 
 
+AMX_MIN_ROWS = 256  # below, packing w (once per product) is not small beside the product
+
+
 def _on_amx(x, w_IxO) -> bool:
   """Whether `_rounded_matmul` multiplies on AMX tiles: bf16 in a single-device program on a
-  CPU with AMX-BF16, a `w` the tiles take and no wider than x is long (packing it is then
-  the smaller cost)."""
+  CPU with AMX-BF16, a `w` the tiles take, and at least `AMX_MIN_ROWS` rows of x (a decode
+  step's product, or an adapter gradient's over rank-many rows, stays XLA's)."""
   one_device = _ONE_DEVICE.get()
   if one_device is None:
     one_device = jax.device_count() == 1
   return (one_device and x.dtype == w_IxO.dtype == jnp.bfloat16 and cpu_kernels.can_pack(w_IxO)
-          and w_IxO.shape[1] <= math.prod(x.shape[:-1]) and cpu_kernels.amx_available())
+          and math.prod(x.shape[:-1]) >= AMX_MIN_ROWS and cpu_kernels.amx_available())
 
 
 @jax.custom_vjp
