@@ -490,9 +490,9 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
     std::fill(op, op + M * N, 0);
     return ffi::Error::Success();
   }
-  // Column pairs [p0, p1) times row pairs [r0, r1), column pairs outermost unless
-  // `rows_outer`.
-  auto run = [=](int64_t p0, int64_t p1, int64_t r0, int64_t r1, bool rows_outer) {
+  // Column pairs [p0, p1) times row pairs [r0, r1), in spans of `span` column pairs: each
+  // span's weights (K x 32 span bf16) sweep the rows, then the next span.
+  auto run = [=](int64_t p0, int64_t p1, int64_t r0, int64_t r1, int64_t span) {
     TileConfig config = {};
     config.palette = 1;
     for (int t = 0; t < 8; ++t) {
@@ -500,32 +500,25 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
       config.rows[t] = 16;
     }
     _tile_loadconfig(&config);
-    auto block = [&](int64_t pair, int64_t r) {
-      PackedBlock(xp, wp, K, N, 32 * r, M - 32 * r >= 32 ? 2 : 1, 2 * pair,
-                  std::min<int64_t>(2, blocks - 2 * pair), op);
-    };
-    if (rows_outer) {
+    for (int64_t first = p0; first < p1; first += span)
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t pair = p0; pair < p1; ++pair) block(pair, r);
-    } else {
-      for (int64_t pair = p0; pair < p1; ++pair)
-        for (int64_t r = r0; r < r1; ++r) block(pair, r);
-    }
+        for (int64_t pair = first; pair < std::min(first + span, p1); ++pair)
+          PackedBlock(xp, wp, K, N, 32 * r, M - 32 * r >= 32 ? 2 : 1, 2 * pair,
+                      std::min<int64_t>(2, blocks - 2 * pair), op);
     _tile_release();
   };
   const int64_t pairs = (blocks + 1) / 2, row_pairs = (M + 31) / 32;
   // Few rows (decoding): tasks split the columns, each reading its weights once. Many rows
-  // (training): tasks split the rows (ParallelChunks makes 4 per thread); each 32 columns
-  // then sweep the task's rows if those fit in L2 (1 MiB of x), else each 32 rows sweep
-  // the columns.
+  // (training): tasks split the rows (ParallelChunks makes 4 per thread) and sweep them
+  // with spans of weights that fit in half of L2 (512 KiB).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (row_pairs >= 16 * threads) {
-    const bool rows_outer = 32 * row_pairs / (4 * threads) * K * 2 > (1 << 20);
+    const int64_t span = std::max<int64_t>(1, (int64_t{1} << 19) / (K * 64));
     ParallelChunks(pool, row_pairs,
-                   [=](int64_t r0, int64_t r1) { run(0, pairs, r0, r1, rows_outer); });
+                   [=](int64_t r0, int64_t r1) { run(0, pairs, r0, r1, span); });
   } else {
     ParallelChunks(pool, pairs,
-                   [=](int64_t p0, int64_t p1) { run(p0, p1, 0, row_pairs, false); });
+                   [=](int64_t p0, int64_t p1) { run(p0, p1, 0, row_pairs, 1); });
   }
   return ffi::Error::Success();
 }
