@@ -21,7 +21,7 @@ Printed: seconds per call (all `--batches` batches), real tokens (prompt + compl
 second of each, the ratio, and the slots each side computes.
 
   python benchmarks/packing.py [--prompts 4] [--samples 4] [--new-tokens 1024] [--batches 2]
-      [--rounds 3] [--preset bench-tiny] [--separate-programs]
+      [--rounds 3] [--preset bench-tiny] [--dtype float32] [--separate-programs]
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def parse_args(argv=None):
   ap.add_argument("--batches", type=int, default=2, help="distinct batches per timed call")
   ap.add_argument("--rounds", type=int, default=3, help="timed calls of each side")
   ap.add_argument("--preset", default="bench-tiny")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                  help="weights and compute (model.dtype and param_dtype; LoRA stays float32)")
   ap.add_argument("--attention", default=None, choices=("auto", "plain", "blockwise", "cudnn"))
   ap.add_argument("--separate-programs", action="store_true",
                   help="train.fused_update=false: scoring, advantage and update programs")
@@ -154,12 +156,13 @@ def main(argv=None) -> None:
         f"cut at {args.new_tokens}")
   shape = C.Shape(prompts=args.prompts, samples=args.samples, prompt_len=args.max_prompt_tokens,
                   new_tokens=args.new_tokens)
-  extra = [f"train.fused_update={str(not args.separate_programs).lower()}"]
+  extra = [f"train.fused_update={str(not args.separate_programs).lower()}",
+           f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
   if args.attention:
     extra.append(f"model.attention={args.attention}")
   with tempfile.TemporaryDirectory() as tmp:
     tmp = Path(tmp)
-    model_dir = C.build_model_dir(tmp / "model", args.preset)
+    model_dir = C.build_model_dir(tmp / "model", args.preset, dtype=args.dtype)
     train_file = C.write_prompts(tmp / "train.jsonl", C.prompt_texts(8, args.max_prompt_tokens))
     sides = {name: C.make_trainer(model_dir, train_file, tmp / name, shape, *extra,
                                   f"train.packing={name == 'packed'}")
@@ -180,8 +183,8 @@ def main(argv=None) -> None:
                        row_length=tr.packing_length) for r, _ in work]
       packed_slots = sum(p.tokens.size for p in packings)
       program = "score + advantage + update" if args.separate_programs else "fused update"
-      print(f"{args.preset}, P x G = {args.prompts} x {args.samples}, {args.batches} batches "
-            f"a call ({real} real tokens), {program}, model.attention "
+      print(f"{args.preset} ({args.dtype}), P x G = {args.prompts} x {args.samples}, "
+            f"{args.batches} batches a call ({real} real tokens), {program}, model.attention "
             f"{tr.model_cfg.attention}, median of {args.rounds} rounds, {compiles.count} "
             f"compilations while timed")
       print(f"  padded: {padded_slots} slots ({real / padded_slots:.0%} real), "

@@ -61,6 +61,17 @@ def _seen(valid, offset, t):
   return _attention.visible(valid, offset, t).any(-1)
 
 
+def _behind_offset(b, k, g, t, s, hd, offset, seed):
+  """Inputs of t queries at slots offset.. of s, the valid slots, the queries that see one,
+  and plain attention's outputs and grads (the reference)."""
+  q, keys, values, weights = _inputs(b, k, g, t, s, hd, seed=seed)
+  valid = _left_padded(b, s, seed=seed)
+  seen = _seen(valid, offset, t)
+  plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, offset, t))
+  return (q, keys, values, weights), valid, seen, _value_and_grads(plain, q, keys, values,
+                                                                   weights, seen)
+
+
 class BlockwiseTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -84,18 +95,13 @@ class BlockwiseTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_queries_behind_an_offset_equal_plain(self):
     # A cache prefill: 5 queries at slots 4..8 of 13 (later slots are not yet written).
-    b, k, g, t, s, hd = 3, 1, 2, 5, 13, 4
-    q, keys, values, weights = _inputs(b, k, g, t, s, hd, seed=3)
-    valid = _left_padded(b, s, seed=3)
-    seen = _seen(valid, 4, t)
-    plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, 4, t))
-    want = _value_and_grads(plain, q, keys, values, weights, seen)
+    inputs, valid, seen, want = _behind_offset(3, 1, 2, 5, 13, 4, offset=4, seed=3)
     # An array offset (the cache's write index) scans every slot; a Python int skips the slots
     # after each query block (blocks of 2 queries: 3 blocks seeing 6, 8 and 9 slots).
     for block, offset in itertools.product((7, 2), (jnp.int32(4), 4)):
       got = self.variant(lambda q, kk, v, w, block=block, offset=offset: _value_and_grads(
           lambda q, kk, v: _attention.blockwise(q, kk, v, valid, offset, block=block), q, kk, v, w,
-          seen))(q, keys, values, weights)
+          seen))(*inputs)
       chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
 
   @chex.variants(with_jit=True, without_jit=True)
@@ -112,6 +118,26 @@ class BlockwiseTest(chex.TestCase):
         q, keys, values, valid)
     mask = np.broadcast_to(np.asarray(seen_BxT)[:, None, None, :, None], want.shape)
     chex.assert_trees_all_close(np.asarray(got)[mask], np.asarray(want)[mask], atol=ATOL, rtol=0)
+
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_jax_nn_gets_even_lengths_and_odd_ones_keep_values_and_grads(self):
+    # cuDNN's backward with a mask needs even lengths: 7 queries at slots 2..8 of 9 keys reach
+    # jax.nn as 8 and 10; the outputs and grads of the queries that see a key equal plain's.
+    inputs, valid, seen, want = _behind_offset(2, 2, 2, 7, 9, 8, offset=2, seed=7)
+    shapes, call = [], jax.nn.dot_product_attention
+
+    def spy(query, key, value, **kw):
+      shapes.append((query.shape[1], key.shape[1], kw["mask"].shape[2:]))
+      return call(query, key, value, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(jax.nn, "dot_product_attention", spy)
+      got = self.variant(lambda q, kk, v, w: _value_and_grads(
+          lambda q, kk, v: _attention.cudnn(q, kk, v, valid, 2, implementation="xla"), q, kk, v, w,
+          seen))(*inputs)
+    assert set(shapes) == {(8, 10, (8, 10))}
+    chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
 
 
 @jax.jit

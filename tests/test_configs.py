@@ -65,6 +65,7 @@ def test_paper_configs_load_with_a_local_model(name, tmp_path, monkeypatch):
   assert cfg.optim.learning_rate == 5e-6 and cfg.optim.warmup_ratio == 0.1
   assert cfg.loss.beta == 0.001 and cfg.loss.eps_low == cfg.loss.eps_high == 0.2
   assert cfg.train.prompts_per_step == 16
+  assert cfg.train.packing  # MATH-length completions: packing won on a GPU (docs/benchmarks.md)
   expected_g = 10 if "more-rollouts" in name else 8
   assert cfg.train.num_generations == expected_g
   assert cfg.sampling.temperature == (1.2 if "higher-temp" in name else 1.0)

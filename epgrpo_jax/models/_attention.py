@@ -254,13 +254,25 @@ def blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0,
 def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
           implementation: str | None = "cudnn", segments_BxS=None):
   """The same attention through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU;
-  `implementation="xla"` runs its reference path anywhere, for tests)."""
+  `implementation="xla"` runs its reference path anywhere, for tests).
+
+  cuDNN takes a mask as a bias, and with a bias its backward pass needs even query and key
+  lengths: an odd length gets one more slot, a query that sees every real key (so that its
+  softmax stays finite; its output is dropped) or a key that no query sees."""
   b, k, g, t, hd = q_BxKxGxTxHd.shape
+  s = keys_BxKxHdxS.shape[-1]
   q_BxTxNxHd = q_BxKxGxTxHd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, hd)
   dtype = q_BxTxNxHd.dtype
   keys_BxSxKxHd = keys_BxKxHdxS.transpose(0, 3, 1, 2).astype(dtype)
   values_BxSxKxHd = values_BxKxSxHd.transpose(0, 2, 1, 3).astype(dtype)
   mask_Bx1xTxS = visible(valid_BxS.astype(bool), offset, t, segments_BxS)[:, None]
+  pad_t, pad_s = t % 2, s % 2
+  if pad_t or pad_s:
+    q_BxTxNxHd = jnp.pad(q_BxTxNxHd, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
+    keys_BxSxKxHd = jnp.pad(keys_BxSxKxHd, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
+    values_BxSxKxHd = jnp.pad(values_BxSxKxHd, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
+    mask_Bx1xTxS = jnp.pad(mask_Bx1xTxS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
+    mask_Bx1xTxS = mask_Bx1xTxS.at[:, :, t:, :s].set(True)
   out_BxTxNxHd = jax.nn.dot_product_attention(q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd,
                                               mask=mask_Bx1xTxS, implementation=implementation)
-  return out_BxTxNxHd.reshape(b, t, k, g, hd).transpose(0, 2, 3, 1, 4)
+  return out_BxTxNxHd[:, :t].reshape(b, t, k, g, hd).transpose(0, 2, 3, 1, 4)
