@@ -187,8 +187,12 @@ def test_sharded_advantages_match_one_device(sharded, reference):
   assert len(got["advantage_calls"]) == len(reference["advantage_calls"]) == STEPS
   names = ("rewards", "entropy", "logp_old", "logp_ref", "mask")
   for step, (a, b) in enumerate(zip(got["advantage_calls"], reference["advantage_calls"])):
+    # Step 1 samples and scores with the same weights (1e-5); later steps with weights that
+    # Adam has moved apart by up to 1e-4 (assert_same_run), e.g. log-probs 1.3e-5 apart at
+    # step 3 on an AMD EPYC (Zen 4).
+    tol = 1e-5 if step == 0 else 1e-4
     for name, x, y in zip(names, a["inputs"], b["inputs"]):
-      np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"step {step + 1}: {name}")
+      np.testing.assert_allclose(x, y, rtol=tol, atol=tol, err_msg=f"step {step + 1}: {name}")
     # The bucket z-scores divide by within-bucket spreads, which magnifies the 1e-6
     # differences of the inputs; on identical inputs (below) the match is 1e-5.
     np.testing.assert_allclose(a["advantage"], b["advantage"], rtol=1e-4, atol=1e-4,

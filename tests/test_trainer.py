@@ -208,9 +208,13 @@ def digit_reward(completions: list[str], answers: list[str]) -> list[float]:
 
 
 def test_fused_training_steps_match_the_separate_programs(task, tmp_path):
-  """Two training steps with and without the fused update: equal at step 1 (1e-5); at step 2
-  within 1e-3, since Adam's first step divides each gradient by its own size and so blows the
-  paths' 1e-7 rounding apart on weights whose gradient is near zero."""
+  """Two training steps with and without the fused update: equal at step 1 (1e-5; the gradient
+  norm 1e-4); at step 2 within 1e-3, since Adam's first step divides each gradient by its own
+  size and so blows the paths' 1e-7 rounding apart on weights whose gradient is near zero.
+
+  The gradient norm: the two programs' entropies round 1e-7 apart, the entropy gate magnifies
+  that to ~1e-5 in the advantages, and since a group's advantages sum to about zero the
+  gradient is a sum of cancelling terms: 4.3e-5 of the norm on an AMD EPYC (Zen 4)."""
   runs = []
   for fused in ("true", "false"):
     trainer = Trainer(tiny_config(task, tmp_path / fused, f"train.fused_update={fused}",
@@ -228,7 +232,8 @@ def test_fused_training_steps_match_the_separate_programs(task, tmp_path):
     a, b = runs[0][step], runs[1][step]
     assert a.keys() == b.keys()
     for k in a:
-      np.testing.assert_allclose(a[k], b[k], atol=tol, rtol=tol, err_msg=f"step {step + 1}: {k}")
+      rtol = max(tol, 1e-4) if k == "grad_norm" else tol
+      np.testing.assert_allclose(a[k], b[k], atol=tol, rtol=rtol, err_msg=f"step {step + 1}: {k}")
   assert runs[0][0]["ep/signal_abs_mean"] == 0.0  # the fused step 1: exactly
 
 
