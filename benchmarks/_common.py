@@ -240,6 +240,11 @@ class Shape:
   lora_alpha: float = 64.0
 
 
+def dtype_overrides(dtype: str) -> list[str]:
+  """The model's weights and compute in `dtype` (LoRA weights stay float32)."""
+  return [f"model.dtype={dtype}", f"model.param_dtype={dtype}"]
+
+
 def trainer_overrides(model_dir: Path, train_file: Path, out_dir: Path, shape: Shape,
                       *extra: str) -> list[str]:
   """Dotted overrides of a TrainConfig for one benchmark step of `shape` (EP-GRPO by default)."""

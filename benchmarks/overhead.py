@@ -48,7 +48,7 @@ def parse_args(argv=None):
 def variant_overrides(name: str, dtype: str) -> list[str]:
   from epgrpo_jax.core.advantages import VARIANTS
   return ([f"advantage.{k}={str(v).lower()}" for k, v in VARIANTS[name].items()]
-          + [f"model.dtype={dtype}", f"model.param_dtype={dtype}"])
+          + C.dtype_overrides(dtype))
 
 
 def time_advantage(trainers: dict, reps: int) -> dict[str, float]:

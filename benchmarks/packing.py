@@ -157,7 +157,7 @@ def main(argv=None) -> None:
   shape = C.Shape(prompts=args.prompts, samples=args.samples, prompt_len=args.max_prompt_tokens,
                   new_tokens=args.new_tokens)
   extra = [f"train.fused_update={str(not args.separate_programs).lower()}",
-           f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
+           *C.dtype_overrides(args.dtype)]
   if args.attention:
     extra.append(f"model.attention={args.attention}")
   with tempfile.TemporaryDirectory() as tmp:

@@ -81,7 +81,7 @@ def main(argv=None):
                                C.prompt_texts(max(64, 4 * largest_p), args.prompt_len))
   print(f"machine: {C.machine_line()}; jax {jax.__version__} on {jax.devices()[0].device_kind}; "
         f"{args.preset} {args.dtype}{' remat' if args.remat else ''}", flush=True)
-  extra = [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
+  extra = C.dtype_overrides(args.dtype)
   if args.remat:
     extra.append("model.remat=true")
 

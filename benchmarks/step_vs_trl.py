@@ -86,7 +86,7 @@ class Ours:
     import jax
 
     extra = advantage_overrides(args.advantage)
-    extra += [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
+    extra += C.dtype_overrides(args.dtype)
     if args.remat:
       extra.append("model.remat=true")
     if args.attention:

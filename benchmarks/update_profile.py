@@ -144,7 +144,7 @@ def main(argv=None):
   if args.remat:
     extra.append("model.remat=true")
   if args.dtype != "float32":
-    extra += [f"model.dtype={args.dtype}", f"model.param_dtype={args.dtype}"]
+    extra += C.dtype_overrides(args.dtype)
   shape = C.Shape()
   tmp = Path(tempfile.mkdtemp(prefix="update_profile-"))
   model_dir = C.build_model_dir(tmp / "model", "bench-tiny", dtype=args.dtype)

@@ -119,7 +119,6 @@ class BlockwiseTest(chex.TestCase):
     mask = np.broadcast_to(np.asarray(seen_BxT)[:, None, None, :, None], want.shape)
     chex.assert_trees_all_close(np.asarray(got)[mask], np.asarray(want)[mask], atol=ATOL, rtol=0)
 
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_jax_nn_gets_even_lengths_and_odd_ones_keep_values_and_grads(self):
     # cuDNN's backward with a mask needs even lengths: 7 queries at slots 2..8 of 9 keys reach
