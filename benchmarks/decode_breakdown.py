@@ -4,11 +4,13 @@ Runs, in one process and alternating, the sampler of `sampler_vs_hf.py` (same
 bench-tiny model, 8 prompts x 8 samples, 32-token prompts, 128 new tokens,
 T 1.0, top-p 0.95) in variants that each drop one part of the step:
 
-  full           the sampler as shipped (C++ decode attention and top-p threshold,
-                 rotary cos/sin looked up in a table made once per call)
-  xla attention  decode attention in XLA, the threshold still in C++
-  xla threshold  the top-p threshold in XLA, the attention still in C++
-  no C++         both in XLA (sampling.cpu_kernels=false)
+  full           the sampler as shipped (C++ decode attention and top-p draw, a
+                 float32 or AMX bf16 model's products on packed weights, rotary
+                 cos/sin looked up in a table made once per call)
+  xla attention  decode attention in XLA, the draw still in C++
+  xla draw       the token choice in XLA (`sample_step`) with the C++ top-p threshold
+  xla threshold  the token choice in XLA with XLA's threshold, the attention in C++
+  no C++         all in XLA (sampling.cpu_kernels=false)
   rope per step  rotary cos/sin computed in every layer at every step (no table)
   no attention   the attention kernel replaced by a stand-in of the same shape that
                  reads only the queries (a row sum broadcast), so the cache is
@@ -46,14 +48,22 @@ from unittest import mock
 import numpy as np
 
 ROWS, PROMPTS, PROMPT_LEN, NEW = 64, 8, 32, 128
-VARIANTS = ("full", "xla attention", "xla threshold", "no C++", "rope per step", "no attention",
-            "greedy")
+VARIANTS = ("full", "xla attention", "xla draw", "xla threshold", "no C++", "rope per step",
+            "no attention", "greedy")
 
 
 def attention_stand_in(q_BxKxGxHd, *args, **kwargs):
   """In place of `cpu_kernels.decode_attention`: same shape, reads only the queries."""
   import jax.numpy as jnp
   return jnp.broadcast_to(jnp.sum(q_BxKxGxHd, -1, keepdims=True), q_BxKxGxHd.shape)
+
+
+def xla_draw(threshold):
+  """In place of `cpu_kernels.nucleus_draw`: `sample_step` in XLA with `threshold`."""
+  from epgrpo_jax.rollout.sampling import SamplingConfig
+  from epgrpo_jax.rollout.strategies import sample_step
+  return lambda key, logits_BxV, temperature, top_p: sample_step(
+      key, logits_BxV, SamplingConfig(temperature=temperature, top_p=top_p), threshold)
 
 
 def read_bandwidth() -> float:
@@ -109,10 +119,13 @@ def parts_only(args) -> None:
   head = jax.jit(lambda h, w: jnp.dot(h, w, preferred_element_type=jnp.float32))
   choose = jax.jit(lambda k, x: sample_step(k, x, top_p, threshold))
   choose_xla = jax.jit(lambda k, x: sample_step(k, x, top_p, largest_threshold))
+  fused = jax.jit(lambda k, x: cpu_kernels.nucleus_draw(k, x, 1.0, 0.95)) if kernels else None
   greedy = jax.jit(lambda k, x: sample_step(k, x, SamplingConfig(greedy=True)))
   calls = {"head matmul": lambda: head(hidden_BxD, head_DxV).block_until_ready(),
            "T + top-p + draw": lambda: jax.block_until_ready(choose(key, logits_BxV)),
            "  (XLA threshold)": lambda: jax.block_until_ready(choose_xla(key, logits_BxV)),
+           **({"  (C++ draw)": lambda: jax.block_until_ready(fused(key, logits_BxV))}
+              if kernels else {}),
            "greedy": lambda: jax.block_until_ready(greedy(key, logits_BxV))}
   ms = {k: t * 1e3 for k, t in C.alternating_medians(calls, args.runs).items()}
   print(C.machine_line())
@@ -189,8 +202,10 @@ def main():
       "full": lambda: variant(base),
       "xla attention": lambda: variant(base, mock.patch.object(sampling_module, "decode_kernel",
                                                        lambda fn: decode_kernel(None))),
-      "xla threshold": lambda: variant(base, mock.patch.object(cpu_kernels, "largest_threshold",
-                                                       strategies.largest_threshold)),
+      "xla draw": lambda: variant(base, mock.patch.object(
+          cpu_kernels, "nucleus_draw", xla_draw(cpu_kernels.largest_threshold))),
+      "xla threshold": lambda: variant(base, mock.patch.object(
+          cpu_kernels, "nucleus_draw", xla_draw(strategies.largest_threshold))),
       "no C++": lambda: variant(base.replace(cpu_kernels=False)),
       "rope per step": lambda: variant(base, mock.patch.object(sampling_module, "rope_table",
                                                        lambda cfg, length: None)),

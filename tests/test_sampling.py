@@ -1,7 +1,6 @@
 """Sampler tests: strategies against full-sort references, and the cached loop
 against full (no-cache) forward passes of a tiny fp32 model."""
 
-import dataclasses
 import functools
 
 import chex
@@ -529,82 +528,48 @@ class TestCpuLargestThreshold(chex.TestCase):
       np.testing.assert_array_equal(got, strategies.largest_threshold(values, jnp.ones_like(values), target))
 
 
-# ---------------------------------------------------------------------------
-# The AMX bf16 products (CPU).
-
-
-def test_pack_bf16_lays_out_pairs_of_rows_per_tile():
-  from epgrpo_jax.kernels import cpu as cpu_kernels
-  w = jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48)  # integers below 256 stay exact
-  w = w % 251
-  packed = np.asarray(cpu_kernels.pack_bf16(w)).astype(np.float32)
-  assert packed.shape == (3, 2, 16, 32)
-  for n, c, r, j, e in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (2, 1, 15, 15, 1), (1, 0, 7, 3, 0)]:
-    assert packed[n, c, r, 2 * j + e] == float(w[32 * c + 2 * r + e, 16 * n + j])
-  assert cpu_kernels.can_pack(w) and not cpu_kernels.can_pack(w[:, :40])
-  assert not cpu_kernels.can_pack(w[:48])
-
-
-def amx_or_skip():
-  from epgrpo_jax.kernels import cpu as cpu_kernels
-  if not cpu_kernels.amx_available():
-    pytest.skip("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
-  return cpu_kernels
-
-
-class TestCpuPackedMatmul(chex.TestCase):
+class TestCpuNucleusDraw(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_equals_the_bf16_product_with_float32_accumulation(self):
-    cpu_kernels = amx_or_skip()
-    rng = np.random.default_rng(3)
-    # rows: 3 x 16 (a lone block of 16 after a pair) and 2 x 5 (padded); 48 columns = 3
-    # blocks of 16 (a lone block after a pair); K = 96, three tiles deep.
-    for lead in ((48,), (2, 5)):
-      x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.bfloat16)
-      w = jnp.asarray(rng.standard_normal((96, 48)), jnp.bfloat16)
-      packed = cpu_kernels.pack_bf16(w)
-      want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
-      got = self.variant(functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32))(
-          x, packed)
-      assert got.shape == (*lead, 48) and got.dtype == jnp.float32
-      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-5)
-      rounded = self.variant(cpu_kernels.packed_matmul)(x, packed)
-      assert rounded.dtype == jnp.bfloat16
-      np.testing.assert_array_equal(np.asarray(rounded), np.asarray(got.astype(jnp.bfloat16)))
+  def test_draws_what_sample_step_draws(self):
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    assert cpu_kernels.available()
+    logits = jnp.asarray(random_logits(9, 64, 203) * 3)  # flat, peaked and tied rows
+    for temperature, top_p in ((1.0, 0.95), (0.7, 0.5), (1.3, 1.0)):
+      cfg = SamplingConfig(temperature=temperature, top_p=top_p)
+      draw = self.variant(functools.partial(cpu_kernels.nucleus_draw, temperature=temperature,
+                                            top_p=top_p))
+      for seed in range(3):
+        got = draw(jax.random.key(seed), logits)
+        want = sample_step(jax.random.key(seed), logits, cfg)
+        assert got[0].dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        chex.assert_trees_all_close(got[1:], want[1:], atol=1e-5, rtol=1e-5)
 
-
-def test_bf16_sampler_runs_its_projections_on_amx_like_xla(monkeypatch):
-  from epgrpo_jax.kernels import cpu as cpu_kernels
-  amx_or_skip()
-  cfg = dataclasses.replace(preset("test-tiny"), dtype="bfloat16", param_dtype="bfloat16",
-                            vocab_size=112)  # a head AMX takes (97 is no multiple of 16)
-  m = Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0))
-  m.lm_head[...] = m.lm_head[...] * 30.0
-  for layer in lora_layers(m):  # adapters that change the policy, merged by the sampler
-    layer.lora_b[...] = jnp.full(layer.lora_b.shape, 0.05)
-  config = SamplingConfig(greedy=True, max_new_tokens=16, **BUCKETS)
-  with_amx = Sampler(config)
-  got = with_amx.sample(m, PROMPTS, 2, jax.random.key(0))
-  text = next(iter(with_amx._programs.values())).as_text()
-  assert text.count('custom_call_target="epgrpo_packed_matmul"') >= 4 * cfg.num_layers
-  assert 'custom_call_target="epgrpo_packed_matmul_f32"' in text  # the head
-  with_xla = Sampler(config.replace(amx=False))
-  want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
-  assert "epgrpo_packed_matmul" not in next(iter(with_xla._programs.values())).as_text()
-  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)  # a CPU without AMX
-  without = Sampler(config)
-  without.sample(m, PROMPTS, 2, jax.random.key(0))
-  assert "epgrpo_packed_matmul" not in next(iter(without._programs.values())).as_text()
-  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
+  def test_keeps_to_the_nucleus_at_a_real_vocabulary(self):
+    # At V = 151,936 the draw's running sum (C++, float64) and sample_step's block sums
+    # (float32) may round a draw across a token boundary, so the tokens are checked for
+    # membership and their log-probs and entropies against the reference, not for equality.
+    from epgrpo_jax.kernels import cpu as cpu_kernels
+    assert cpu_kernels.available()
+    logits = jnp.asarray(random_logits(10, 8, 151936) * 4)
+    got = cpu_kernels.nucleus_draw(jax.random.key(0), logits, 1.0, 0.9)
+    tokens = np.asarray(got[0])
+    keep = np.asarray(strategies.truncate(logits, top_p=0.9))
+    assert keep[np.arange(8), tokens].all()
+    want = strategies.log_prob_and_entropy(logits, got[0])
+    chex.assert_trees_all_close(got[1:], want, atol=1e-5, rtol=1e-5)
 
 
 def uses_cpu_kernel(sampler: Sampler) -> bool:
-  """Whether the sampler's program calls the C++ kernels (both, or neither)."""
+  """Whether the sampler's program calls the C++ kernels (attention and the token choice:
+  the whole draw with top-k off and T > 0, else the thresholds; all, or none)."""
   text = next(iter(sampler._programs.values())).as_text()
-  attention, threshold = "epgrpo_decode_attention" in text, "epgrpo_largest_threshold" in text
-  assert attention == threshold, text
+  cfg = sampler.config
+  choice = ("epgrpo_nucleus_draw" if not cfg.is_greedy and cfg.top_k == 0
+            else "epgrpo_largest_threshold")
+  attention = "epgrpo_decode_attention" in text
+  assert attention == (choice in text), text
   return attention
 
 

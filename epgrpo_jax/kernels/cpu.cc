@@ -1,6 +1,8 @@
-// CPU kernels as XLA FFI handlers: for the sampler, decode attention (EpgrpoDecodeAttention)
-// and the top-k / top-p thresholds (EpgrpoLargestThreshold); for the sampler and bf16
-// training, a bf16 matmul on AMX tiles (EpgrpoPackedMatmul, at the end of this file).
+// CPU kernels as XLA FFI handlers: for the sampler, decode attention (EpgrpoDecodeAttention),
+// the top-k / top-p thresholds (EpgrpoLargestThreshold) and the whole top-p draw
+// (EpgrpoNucleusDraw); for the sampler and bf16
+// training, a bf16 matmul on AMX tiles (EpgrpoPackedMatmul); for the float32 sampler, a
+// float32 matmul on AVX-512 (EpgrpoPanelMatmul). The matmuls are at the end of this file.
 //
 // Decode attention: one query token per row over a KV cache.
 // Inputs: q [B, K, G, Hd] float32, keys [B, K, Hd, S] and values [B, K, S, Hd] both float32
@@ -29,8 +31,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -44,6 +48,18 @@ struct Shape {
   int64_t share_rows, shared_slots;  // rows come in groups of share_rows sharing those slots
 };
 
+// Cephes' polynomial for exp(r), |r| <= ln 2 / 2, on a float or on eight lanes.
+template <typename T>
+inline T ExpReduced(T r) {
+  T p = T{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= 0: Cephes' polynomial after a range reduction by ln 2, branch-free so
 // that the loops calling it vectorize. Relative error about 2e-7; x below -87 gives about
 // 1e-38 instead of 0 (masked slots are multiplied by 0 anyway).
@@ -51,17 +67,10 @@ inline float ExpNonPositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return ExpReduced(r) * scale;
 }
 
 using v8 = float __attribute__((vector_size(32)));
@@ -73,6 +82,22 @@ inline v8 Load(const float* p) {
 }
 
 inline void Store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+
+using v8i = int32_t __attribute__((vector_size(32)));
+
+// ExpNonPositive on eight lanes, the same arithmetic (floor as truncation, one less where
+// that rounded up), for loops GCC does not vectorize on its own.
+inline v8 ExpNonPositive(v8 x) {
+  x = x < -87.0f ? v8{} - 87.0f : x;
+  const v8 y = x * 1.44269504088896341f + 0.5f;
+  const v8 t = __builtin_convertvector(__builtin_convertvector(y, v8i), v8);
+  const v8 n = t > y ? t - 1.0f : t;
+  const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return ExpReduced(r) * scale;
+}
 
 using v8u = uint32_t __attribute__((vector_size(32)));
 using v8h = uint16_t __attribute__((vector_size(16)));
@@ -296,7 +321,6 @@ inline float FromOrderedKey(int64_t key) {
   return v;
 }
 
-using v8i = int32_t __attribute__((vector_size(32)));
 using v8d = double __attribute__((vector_size(64)));
 
 struct Sweep {
@@ -359,8 +383,10 @@ inline int64_t Keep(const float* v, const float* w, int64_t n, float low, float 
 // The bisection keeps, besides the bracket [lo, hi) of keys, the values inside it (the
 // candidates) and the mass of the values at or above hi: each pass sweeps only the
 // candidates, which the bracket thins out, instead of the whole row. cv / cw: scratch of n.
+// `first`, if finite, is the first pass's split instead of the bracket's middle (any value
+// gives the same result; one near the answer thins the candidates out at once).
 float LargestThreshold(const float* v, const float* w, int64_t n, float target, float* cv,
-                       float* cw) {
+                       float* cw, float first = std::numeric_limits<float>::infinity()) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Sweep all = SweepRow(v, w, n, -kInf);
   int64_t lo = OrderedKey(all.above);  // the smallest value
@@ -368,8 +394,12 @@ float LargestThreshold(const float* v, const float* w, int64_t n, float target, 
   double above = 0.0;  // the mass of the values with keys >= hi
   const float *pv = v, *pw = w;
   int64_t m = n;
+  bool guided = std::isfinite(first);
   while (hi - lo > 1) {
-    const Sweep s = SweepRow(pv, pw, m, FromOrderedKey(lo + (hi - lo + 1) / 2));
+    int64_t split = lo + (hi - lo + 1) / 2;
+    if (guided) split = std::clamp(OrderedKey(first), lo + 1, hi - 1);
+    guided = false;
+    const Sweep s = SweepRow(pv, pw, m, FromOrderedKey(split));
     if (above + s.mass >= target) {
       lo = OrderedKey(s.above);
     } else {
@@ -404,6 +434,99 @@ ffi::Error LargestThresholdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> valu
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Nucleus draw (EpgrpoNucleusDraw): `strategies.sample_step` with top-k off, one row of
+// logits [B, V] float32 at a time, with u [B] uniform in [0, 1) and attributes temperature
+// (> 0) and top_p. Per row: x = logits / temperature; lse = max + log(sum exp(x - max));
+// p = exp(x - lse); entropy = -sum p (x - lse); tau = LargestThreshold(p, p, top_p) if top_p
+// < 1, else 0; the token: the first j with p_j >= tau and p_j > 0 at which the running sum
+// of those p exceeds u times their total (the last such j if none). Outputs: tokens [B]
+// int32, log p(token) = x - lse and the entropy [B] float32. Five passes over a row in
+// place of XLA's dozen single-threaded ones over the batch.
+void NucleusRow(const float* logits, int64_t V, float temperature, float top_p, float u,
+                float* x, float* p, float* cv, float* cw, int32_t* token, float* logp,
+                float* entropy) {
+  float top = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : top)
+  for (int64_t j = 0; j < V; ++j) {
+    x[j] = logits[j] / temperature;
+    top = std::max(top, x[j]);
+  }
+  // Eight lanes of float32 sums over blocks of 1,024, the blocks' sums in float64.
+  const int64_t vectors = V - V % 8;
+  double total = 0.0, h = 0.0;
+  for (int64_t j0 = 0; j0 < vectors; j0 += 1024) {
+    v8 block = {};
+    for (int64_t j = j0; j < std::min(vectors, j0 + 1024); j += 8)
+      block += ExpNonPositive(Load(x + j) - top);
+    for (int i = 0; i < 8; ++i) total += block[i];
+  }
+  for (int64_t j = vectors; j < V; ++j) total += ExpNonPositive(x[j] - top);
+  const float lse = top + static_cast<float>(std::log(total));
+  const v8 zero = {};
+  for (int64_t j0 = 0; j0 < vectors; j0 += 1024) {
+    v8 block = {};
+    for (int64_t j = j0; j < std::min(vectors, j0 + 1024); j += 8) {
+      v8 d = Load(x + j) - lse;
+      d = d < zero ? d : zero;
+      const v8 e = ExpNonPositive(d);
+      Store(p + j, e);
+      block -= e * d;
+    }
+    for (int i = 0; i < 8; ++i) h += block[i];
+  }
+  for (int64_t j = vectors; j < V; ++j) {
+    const float d = std::min(x[j] - lse, 0.0f);
+    p[j] = ExpNonPositive(d);
+    h -= p[j] * d;
+  }
+  // Tokens below (1 - top_p) / V hold less than 1 - top_p of the mass together, so tau is at
+  // least that (half of it, for rounding): the first split, past most of a peaked row.
+  const float first = 0.5f * (1.0f - top_p) / static_cast<float>(V);
+  const float tau = top_p < 1.0f ? LargestThreshold(p, p, V, top_p, cv, cw, first) : 0.0f;
+  const double target = static_cast<double>(u) * SweepRow(p, p, V, tau).mass;
+  double sum = 0.0;
+  int64_t chosen = -1, last = -1;
+  for (int64_t j = 0; j < V; ++j) {
+    if (p[j] >= tau && p[j] > 0.0f) {
+      sum += p[j];
+      last = j;
+      if (sum > target) {
+        chosen = j;
+        break;
+      }
+    }
+  }
+  if (chosen < 0) chosen = std::max<int64_t>(last, 0);
+  *token = static_cast<int32_t>(chosen);
+  *logp = x[chosen] - lse;
+  *entropy = static_cast<float>(h);
+}
+
+ffi::Error NucleusDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
+                           ffi::Buffer<ffi::F32> uniform, ffi::ResultBuffer<ffi::S32> tokens,
+                           ffi::ResultBuffer<ffi::F32> logp, ffi::ResultBuffer<ffi::F32> entropy,
+                           float temperature, float top_p) {
+  const auto ld = logits.dimensions(), ud = uniform.dimensions();
+  if (ld.size() != 2 || ud.size() != 1 || ud[0] != ld[0] || ld[1] == 0 ||
+      !(temperature > 0.0f)) {
+    return ffi::Error::InvalidArgument(
+        "nucleus draw: expected logits [B, V] (V > 0), uniform [B], temperature > 0");
+  }
+  const int64_t V = ld[1];
+  const float *lp = logits.typed_data(), *up = uniform.typed_data();
+  int32_t* tp = tokens->typed_data();
+  float *gp = logp->typed_data(), *hp = entropy->typed_data();
+  ParallelChunks(pool, ld[0], [=](int64_t begin, int64_t end) {
+    std::vector<float> scratch(4 * V);
+    float* s = scratch.data();
+    for (int64_t b = begin; b < end; ++b)
+      NucleusRow(lp + b * V, V, temperature, top_p, up[b], s, s + V, s + 2 * V, s + 3 * V,
+                 tp + b, gp + b, hp + b);
+  });
+  return ffi::Error::Success();
+}
 
 // ---------------------------------------------------------------------------------------
 // bf16 matmul on AMX (EpgrpoPackedMatmul, bf16 output, and EpgrpoPackedMatmulF32): x [M, K]
@@ -535,6 +658,139 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer
 
 #endif
 
+// ---------------------------------------------------------------------------------------
+// float32 matmul on AVX-512 (EpgrpoPanelMatmul): x [M, K] float32 times a weight packed by
+// `cpu.pack_panels` into panels of 32 columns [N/32, K, 32] (panel p, row k holds
+// w[k, 32p .. 32p + 31], contiguous, so a panel streams from memory in one sweep). Output
+// [M, N] float32, each sum accumulated over k in order. Blocks of 8 rows x 32 columns live
+// in 16 vector registers; a panel (K x 128 bytes) stays in L2 while the rows sweep it.
+
+#if defined(__AVX512F__)
+
+template <int R>
+inline void PanelBlock(const float* x, const float* panel, int64_t K, float* out, int64_t N) {
+  __m512 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + 32 * k), b1 = _mm512_loadu_ps(panel + 32 * k + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 a = _mm512_set1_ps(x[i * K + k]);
+      lo[i] = _mm512_fmadd_ps(a, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(a, b1, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out + i * N, lo[i]);
+    _mm512_storeu_ps(out + i * N + 16, hi[i]);
+  }
+}
+
+// Rows [m0, m1) times panels [p0, p1).
+void PanelRows(const float* x, const float* w, int64_t K, int64_t N, int64_t m0, int64_t m1,
+               int64_t p0, int64_t p1, float* out) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = w + p * K * 32;
+    int64_t m = m0;
+    for (; m + 8 <= m1; m += 8) PanelBlock<8>(x + m * K, panel, K, out + m * N + 32 * p, N);
+    const float* xr = x + m * K;
+    float* o = out + m * N + 32 * p;
+    switch (m1 - m) {
+      case 7: PanelBlock<7>(xr, panel, K, o, N); break;
+      case 6: PanelBlock<6>(xr, panel, K, o, N); break;
+      case 5: PanelBlock<5>(xr, panel, K, o, N); break;
+      case 4: PanelBlock<4>(xr, panel, K, o, N); break;
+      case 3: PanelBlock<3>(xr, panel, K, o, N); break;
+      case 2: PanelBlock<2>(xr, panel, K, o, N); break;
+      case 1: PanelBlock<1>(xr, panel, K, o, N); break;
+      default: break;
+    }
+  }
+}
+
+ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || od.size() != 2 || wd[2] != 32 || xd[1] != wd[1] ||
+      od[0] != xd[0] || od[1] != 32 * wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "panel matmul: expected x [M, K], w [N/32, K, 32], out [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], panels = wd[0], N = 32 * panels;
+  const float *xp = x.typed_data(), *wp = w.typed_data();
+  float* op = out->typed_data();
+  // Few rows (decoding): tasks split the panels, each read from memory once. Many rows:
+  // tasks split the rows in blocks of 8 and sweep spans of panels that fit in 512 KiB.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), row_blocks = (M + 7) / 8;
+  if (row_blocks >= 16 * threads) {
+    const int64_t span = std::max<int64_t>(1, (int64_t{1} << 19) / (K * 128));
+    ParallelChunks(pool, row_blocks, [=](int64_t r0, int64_t r1) {
+      for (int64_t p = 0; p < panels; p += span)
+        PanelRows(xp, wp, K, N, 8 * r0, std::min(M, 8 * r1), p, std::min(panels, p + span), op);
+    });
+  } else {
+    ParallelChunks(pool, panels,
+                   [=](int64_t p0, int64_t p1) { PanelRows(xp, wp, K, N, 0, M, p0, p1, op); });
+  }
+  return ffi::Error::Success();
+}
+
+// EpgrpoPackPanels: the weights [K, N_i] of a projection group, concatenated over columns
+// (N = sum N_i, a multiple of 32) and packed as above, [N / 32, K, 32], in one pass. Tasks
+// take blocks of 16 panels and copy them row by row: each row of a block is up to 2 KiB
+// read in order from the weights, written to 16 panels.
+ffi::Error PackPanelsImpl(ffi::ThreadPool pool, ffi::RemainingArgs weights,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  const auto od = out->dimensions();
+  const auto invalid = ffi::Error::InvalidArgument(
+      "pack panels: expected weights [K, N_i] and out [sum N_i / 32, K, 32]");
+  if (od.size() != 3 || od[2] != 32) return invalid;
+  struct Part { const float* data; int64_t columns, first; };  // first: its first column
+  std::vector<Part> parts;
+  int64_t columns = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+    if (w.has_error()) return invalid;
+    const auto wd = w->dimensions();
+    if (wd.size() != 2 || wd[0] != od[1]) return invalid;
+    parts.push_back({w->typed_data(), wd[1], columns});
+    columns += wd[1];
+  }
+  if (columns != 32 * od[0]) return invalid;
+  const int64_t K = od[1], panels = od[0];
+  float* op = out->typed_data();
+  ParallelChunks(pool, (panels + 15) / 16, [=, &parts](int64_t b0, int64_t b1) {
+    for (int64_t p0 = 16 * b0; p0 < std::min(panels, 16 * b1); p0 += 16) {
+      const int64_t p1 = std::min(panels, p0 + 16);
+      for (const Part& part : parts) {
+        // This part's columns within the block's, [c0, c1), copied panel by panel.
+        const int64_t c0 = std::max(32 * p0, part.first);
+        const int64_t c1 = std::min(32 * p1, part.first + part.columns);
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t c = c0; c < c1;) {
+            const int64_t p = c / 32, n = std::min(c1, 32 * (p + 1)) - c;
+            std::memcpy(op + (p * K + k) * 32 + c % 32,
+                        part.data + k * part.columns + (c - part.first), n * sizeof(float));
+            c += n;
+          }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+#else  // no AVX-512: the handler exists and refuses
+
+ffi::Error PanelMatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                           ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::Internal("panel matmul: built without AVX-512 (see cpu.panels_available)");
+}
+
+ffi::Error PackPanelsImpl(ffi::ThreadPool, ffi::RemainingArgs, ffi::ResultBuffer<ffi::F32>) {
+  return ffi::Error::Internal("pack panels: built without AVX-512 (see cpu.panels_available)");
+}
+
+#endif
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoLargestThreshold, LargestThresholdImpl,
@@ -544,6 +800,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoLargestThreshold, LargestThresholdImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoNucleusDraw, NucleusDrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("temperature")
+                                  .Attr<float>("top_p"));
 
 #define EPGRPO_DECODE_ATTENTION(NAME, KV)                              \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, DecodeAttentionImpl<KV>,         \
@@ -561,16 +828,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoLargestThreshold, LargestThresholdImpl,
 EPGRPO_DECODE_ATTENTION(EpgrpoDecodeAttention, ffi::F32)
 EPGRPO_DECODE_ATTENTION(EpgrpoDecodeAttentionBf16, ffi::BF16)
 
-#define EPGRPO_PACKED_MATMUL(NAME, OUT)                               \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, PackedMatmulImpl<OUT>,          \
+#define EPGRPO_MATMUL(NAME, IMPL, IN, OUT)                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, IMPL,                           \
                                 ffi::Ffi::Bind()                      \
                                     .Ctx<ffi::ThreadPool>()           \
-                                    .Arg<ffi::Buffer<ffi::BF16>>()    \
-                                    .Arg<ffi::Buffer<ffi::BF16>>()    \
+                                    .Arg<ffi::Buffer<IN>>()           \
+                                    .Arg<ffi::Buffer<IN>>()           \
                                     .Ret<ffi::Buffer<OUT>>());
 
-EPGRPO_PACKED_MATMUL(EpgrpoPackedMatmul, ffi::BF16)
-EPGRPO_PACKED_MATMUL(EpgrpoPackedMatmulF32, ffi::F32)
+EPGRPO_MATMUL(EpgrpoPackedMatmul, PackedMatmulImpl<ffi::BF16>, ffi::BF16, ffi::BF16)
+EPGRPO_MATMUL(EpgrpoPackedMatmulF32, PackedMatmulImpl<ffi::F32>, ffi::BF16, ffi::F32)
+EPGRPO_MATMUL(EpgrpoPanelMatmul, PanelMatmulImpl, ffi::F32, ffi::F32)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoPackPanels, PackPanelsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// 1 if the panel matmul can run here (built with AVX-512).
+extern "C" int EpgrpoPanelsReady() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // 1 if the packed matmul can run here (built with AMX, and Linux grants the tile state).
 extern "C" int EpgrpoAmxReady() { return AmxReady() ? 1 : 0; }

@@ -9,7 +9,9 @@ bisection of `strategies.largest_threshold`, one vectorised sweep of a row per
 step instead of a dozen single-threaded XLA loop iterations over the batch.
 `packed_matmul`: a bf16 matmul on the CPU's AMX tiles by a weight packed once
 (`pack_bf16`); at decode shapes XLA's dots reread each weight from memory far
-below bandwidth (`amx_available()` says whether it runs here).
+below bandwidth (`amx_available()` says whether it runs here). `panel_matmul`: a
+float32 matmul on AVX-512 by a weight packed once into panels of 32 columns
+(`pack_panels`), for the same reason (`panels_available()`).
 `cpu.cc` is compiled with the system's C++
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
 `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
@@ -20,6 +22,7 @@ callers keep the XLA path.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -29,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +43,11 @@ logger = logging.getLogger("epgrpo_jax.models")
 TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
            "epgrpo_decode_attention_bf16": "EpgrpoDecodeAttentionBf16",
            "epgrpo_largest_threshold": "EpgrpoLargestThreshold",
+           "epgrpo_nucleus_draw": "EpgrpoNucleusDraw",
            "epgrpo_packed_matmul": "EpgrpoPackedMatmul",
-           "epgrpo_packed_matmul_f32": "EpgrpoPackedMatmulF32"}  # FFI target: C++ symbol
+           "epgrpo_packed_matmul_f32": "EpgrpoPackedMatmulF32",
+           "epgrpo_panel_matmul": "EpgrpoPanelMatmul",
+           "epgrpo_pack_panels": "EpgrpoPackPanels"}  # FFI target: C++ symbol
 SOURCE = Path(__file__).with_name("cpu.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -108,6 +115,12 @@ def amx_available() -> bool:
   return available() and bool(ctypes.cdll.LoadLibrary(str(build())).EpgrpoAmxReady())
 
 
+@functools.cache
+def panels_available() -> bool:
+  """Whether `panel_matmul` runs here: the kernels are built for a CPU with AVX-512."""
+  return available() and bool(ctypes.cdll.LoadLibrary(str(build())).EpgrpoPanelsReady())
+
+
 def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit, *,
                      share_rows: int = 1, shared_slots: int = 0):
   """softmax(q . keys / sqrt(Hd)) . values over the slots < `limit` that `allowed_BxS` marks.
@@ -134,6 +147,20 @@ def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: j
   out = jax.ShapeDtypeStruct(values_BxV.shape[:1], jnp.float32)
   return jax.ffi.ffi_call("epgrpo_largest_threshold", out)(
       values_BxV.astype(jnp.float32), weights_BxV.astype(jnp.float32), target_B.astype(jnp.float32))
+
+
+def nucleus_draw(key: jax.Array, logits_BxV: jax.Array, temperature: float,
+                 top_p: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`strategies.sample_step` with top-k off and temperature > 0, in one C++ call: (tokens_B
+  int32, logp_B, entropy_B), the same draw for the same key (its uniform per row) up to
+  float rounding. Call `available()` first."""
+  b = logits_BxV.shape[0]
+  u_B = jax.random.uniform(key, (b,), jnp.float32)
+  outs = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
+          jax.ShapeDtypeStruct((b,), jnp.float32))
+  return tuple(jax.ffi.ffi_call("epgrpo_nucleus_draw", outs)(
+      logits_BxV.astype(jnp.float32), u_B, temperature=np.float32(temperature),
+      top_p=np.float32(top_p)))
 
 
 def can_pack(w_KxN: jax.Array) -> bool:
@@ -166,3 +193,68 @@ def packed_matmul(x: jax.Array, packed: jax.Array, out_dtype=jnp.bfloat16) -> ja
   out = jax.ShapeDtypeStruct((m + pad, 16 * blocks), jnp.dtype(out_dtype))
   y = jax.ffi.ffi_call(target, out)(x_MxK, packed.astype(jnp.bfloat16))
   return y[:m].reshape(*lead, 16 * blocks)
+
+
+# Smallest weight (K x N elements) `panel_matmul` takes: below it XLA's dot is as fast.
+PANEL_MIN_SIZE = 1 << 16
+
+
+def can_pack_panels(weights: Sequence[jax.Array]) -> bool:
+  """Whether `pack_panels` takes these weights: 2-D float32 [K, N_i], one K, sum N_i a
+  multiple of 32, at least `PANEL_MIN_SIZE` elements in all."""
+  return (all(w.ndim == 2 and w.dtype == jnp.float32 and w.shape[0] == weights[0].shape[0]
+              for w in weights)
+          and sum(w.shape[1] for w in weights) % 32 == 0
+          and sum(w.size for w in weights) >= PANEL_MIN_SIZE)
+
+
+def pack_panels(weights: Sequence[jax.Array]) -> jax.Array:
+  """The weights [K, N_i] concatenated over columns (w, N = sum N_i) as panels of 32 columns
+  for `panel_matmul`: [N/32, K, 32], panel p holding w[:, 32p : 32p + 32]. Call
+  `panels_available()` first."""
+  k, n = weights[0].shape[0], sum(w.shape[1] for w in weights)
+  out = jax.ShapeDtypeStruct((n // 32, k, 32), jnp.float32)
+  return jax.ffi.ffi_call("epgrpo_pack_panels", out)(*(w.astype(jnp.float32) for w in weights))
+
+
+def panel_matmul(x: jax.Array, packed: jax.Array) -> jax.Array:
+  """x @ w in float32 for w packed by `pack_panels`, over x's last axis, each sum taken over
+  k in order. Call `panels_available()` first."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  x_MxK = x.astype(jnp.float32).reshape(int(np.prod(lead)), k)
+  out = jax.ShapeDtypeStruct((x_MxK.shape[0], 32 * packed.shape[0]), jnp.float32)
+  y = jax.ffi.ffi_call("epgrpo_panel_matmul", out)(x_MxK, packed.astype(jnp.float32))
+  return y.reshape(*lead, out.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+  """Products by weights packed once. `can_pack(ws)` and `pack(ws)` take a projection
+  group's weights [K, N_i] (packed as their concatenation over columns); `matmul(x, packed)`
+  gives the product in the weights' dtype, `logits(x, packed)` in float32."""
+
+  can_pack: Callable[[Sequence[jax.Array]], bool]
+  pack: Callable[[Sequence[jax.Array]], jax.Array]
+  matmul: Callable[..., jax.Array]
+  logits: Callable[..., jax.Array]
+
+
+def _concatenated(weights: Sequence[jax.Array]) -> jax.Array:
+  return weights[0] if len(weights) == 1 else jnp.concatenate(weights, axis=-1)
+
+
+AMX_BF16 = Packing(lambda ws: can_pack(_concatenated(ws)), lambda ws: pack_bf16(_concatenated(ws)),
+                   packed_matmul, functools.partial(packed_matmul, out_dtype=jnp.float32))
+PANELS_F32 = Packing(can_pack_panels, pack_panels, panel_matmul, panel_matmul)
+
+
+def packing_for(dtype) -> Packing | None:
+  """The packed products that run here for a model computing in `dtype`: AMX tiles for
+  bfloat16 (`amx_available()`), AVX-512 panels for float32 (`panels_available()`); None
+  where neither applies."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.bfloat16 and amx_available():
+    return AMX_BF16
+  if dtype == jnp.float32 and panels_available():
+    return PANELS_F32
+  return None

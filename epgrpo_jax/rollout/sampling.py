@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ from epgrpo_jax.models import (Qwen2, as_dtype, decode_kernel, dense_products, i
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
-from epgrpo_jax.rollout.strategies import Threshold, largest_threshold, sample_step
+from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
 
 logger = logging.getLogger("epgrpo_jax.rollout.sampling")
 
@@ -59,18 +59,17 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
   return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
 
 
-def packed_products(model: Qwen2) -> dict:
+def packed_products(model: Qwen2, packing: cpu_kernels.Packing) -> dict:
   """`dense_products` table of the model's projection groups whose layers are their kernels
-  alone (no adapters, or merged ones) and whose concatenated kernel AMX tiles fit: each
-  kernel packed once (`cpu_kernels.pack_bf16`), multiplied by `cpu_kernels.packed_matmul`."""
-  table = {}
+  alone (no adapters, or merged ones) and whose concatenated kernel `packing` takes: each
+  kernel packed once, multiplied by `packing.matmul`."""
+  table, dtype = {}, as_dtype(model.cfg.dtype)
   for group in model.linear_groups():
     if any(layer.has_lora and not layer.merged for layer in group):
       continue
-    w = jnp.concatenate([layer.kernel[...] for layer in group], axis=-1)
-    if cpu_kernels.can_pack(w):
-      table[tuple(map(id, group))] = functools.partial(cpu_kernels.packed_matmul,
-                                                       packed=cpu_kernels.pack_bf16(w))
+    weights = [layer.kernel[...].astype(dtype) for layer in group]
+    if packing.can_pack(weights):
+      table[tuple(map(id, group))] = functools.partial(packing.matmul, packed=packing.pack(weights))
   return table
 
 
@@ -89,11 +88,13 @@ class SamplingConfig:
   the kernels once per call instead of applying them at every decode step
   (the same policy up to rounding in the compute dtype). `cpu_kernels` runs
   the decode steps' attention (float32 or bfloat16 cache) and the top-k / top-p
-  thresholds in C++ kernels on a single CPU device, and, with `amx`, a bfloat16
-  model's projections and head on AMX tiles where the CPU has them (built on
-  first use; XLA where they cannot be built, on accelerators, and over a mesh
-  of several devices). The AMX products hold a packed copy of the bf16 weights
-  for the duration of a call; `amx=false` saves that memory.
+  thresholds (with top-k off, the whole draw) in C++ kernels on a single CPU
+  device, and, with `packed_weights`, the projections and head as C++ products
+  over weights packed once per call: a bfloat16 model's on AMX tiles, a float32
+  model's on AVX-512, where the CPU has them (built on first use; XLA where they
+  cannot be built, on accelerators, and over a mesh of several devices). The
+  packed weights are a second copy for the duration of a call;
+  `packed_weights=false` saves that memory.
   """
 
   temperature: float = 1.0
@@ -108,7 +109,7 @@ class SamplingConfig:
   ignore_eos: bool = False
   merge_lora: bool = True
   cpu_kernels: bool = True
-  amx: bool = True
+  packed_weights: bool = True
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -290,8 +291,8 @@ class Sampler:
       kernels = self._use_cpu_kernels()
       fn = jax.jit(functools.partial(
           self._generate, graphdef, num_samples=g, gen_len=n,
-          amx=kernels and self.config.amx and cpu_kernels.amx_available(),
-          threshold=cpu_kernels.largest_threshold if kernels else largest_threshold))
+          packed=kernels and self.config.packed_weights,
+          choose=self._chooser(kernels)))
       attention = (functools.partial(cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
                    if kernels else None)
       with decode_kernel(attention):  # read while tracing
@@ -303,6 +304,16 @@ class Sampler:
       logger.info("compiled sampler program %d: prompts=%d prompt_len=%d gen_len=%d samples=%d "
                   "(%.1fs)", self.num_compilations, p, tp, n, g, time.perf_counter() - start)
     return program
+
+  def _chooser(self, kernels: bool) -> Callable:
+    """(key, logits_BxV) -> (tokens_B, logp_B, entropy_B): `sample_step`, its thresholds in
+    C++ with `kernels`, and with top-k off the whole draw in C++ (`cpu_kernels.nucleus_draw`)."""
+    cfg = self.config
+    if kernels and not cfg.is_greedy and cfg.top_k == 0:
+      return functools.partial(cpu_kernels.nucleus_draw, temperature=cfg.temperature,
+                               top_p=cfg.top_p)
+    threshold = cpu_kernels.largest_threshold if kernels else largest_threshold
+    return functools.partial(sample_step, cfg=cfg, threshold=threshold)
 
   def _use_cpu_kernels(self) -> bool:
     """Whether the C++ kernels apply: one CPU device, and they could be built.
@@ -321,26 +332,27 @@ class Sampler:
       return cache
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
-  def _generate(self, graphdef, state, *args, amx: bool, **kwargs) -> SampleOutput:
-    """`_decode` of the model (adapters merged unless `merge_lora` is off). With `amx` (the
-    CPU kernels and AMX tiles are available) a bf16 model's projections and head run as AMX
-    products over weights packed once here, outside the decode loop."""
+  def _generate(self, graphdef, state, *args, packed: bool, **kwargs) -> SampleOutput:
+    """`_decode` of the model (adapters merged unless `merge_lora` is off). With `packed` (the
+    CPU kernels are available) the projections and head run as the packed products of the
+    model's dtype where this CPU has them, over weights packed once here, outside the
+    decode loop."""
     model: Qwen2 = nnx.merge(graphdef, state)
     if self.config.merge_lora:
       merge_lora(model)  # in this trace only: the caller's state is untouched
     head_DxV = model.head_DxV()
     logits_of = functools.partial(jnp.dot, b=head_DxV, preferred_element_type=jnp.float32)
     products = {}
-    if amx and as_dtype(model.cfg.dtype) == jnp.bfloat16:
-      products = packed_products(model)
-      if cpu_kernels.can_pack(head_DxV):
-        logits_of = functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32,
-                                      packed=cpu_kernels.pack_bf16(head_DxV))
+    packing = cpu_kernels.packing_for(as_dtype(model.cfg.dtype)) if packed else None
+    if packing:
+      products = packed_products(model, packing)
+      if packing.can_pack([head_DxV]):
+        logits_of = functools.partial(packing.logits, packed=packing.pack([head_DxV]))
     with dense_products(products):
       return self._decode(model, logits_of, *args, **kwargs)
 
   def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,
-              num_samples: int, gen_len: int, threshold: Threshold) -> SampleOutput:
+              num_samples: int, gen_len: int, choose: Callable) -> SampleOutput:
     cfg, g, n = self.config, num_samples, gen_len
     p, tp = ids_PxTp.shape
     b = p * g
@@ -388,7 +400,7 @@ class Sampler:
         last_B=jnp.zeros((b,), jnp.int32),
         positions_B=prompt_len_B - 1,
         cache=cache)
-    loop = emit(loop, *sample_step(step_key(0), logits_BxV, cfg, threshold))
+    loop = emit(loop, *choose(step_key(0), logits_BxV))
 
     def cond(end: int, loop: _Loop):
       return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B)
@@ -397,8 +409,7 @@ class Sampler:
       hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
                                   jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd)
       loop = loop.replace(cache=self._constrain_cache(cache))
-      return emit(loop, *sample_step(step_key(loop.step), logits_of(hidden_Bx1xD[:, 0]), cfg,
-                                     threshold))
+      return emit(loop, *choose(step_key(loop.step), logits_of(hidden_Bx1xD[:, 0])))
 
     # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a
     # larger one (the same layout, more slots), so attention never reads more than it needs.

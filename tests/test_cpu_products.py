@@ -1,0 +1,163 @@
+"""The sampler's products by weights packed once on the CPU: bf16 on AMX tiles, float32 on
+AVX-512 panels (`kernels.cpu`), against XLA's products and a sampler without them."""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.models import LoraConfig, Qwen2, lora_layers, preset
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+
+BUCKETS = dict(prompt_buckets=(8, 16), length_buckets=(8, 16))
+PROMPTS = [[5, 17, 33, 2, 60, 8, 71, 9], [44, 3, 90, 12, 7, 7, 21, 30, 65, 11, 4, 56]]
+
+
+def policy_with_adapters(dtype: str, vocab_size: int) -> Qwen2:
+  """test-tiny in `dtype` with a sharper head (no near-tie argmaxes) and LoRA adapters that
+  change the policy (merged by the sampler)."""
+  cfg = dataclasses.replace(preset("test-tiny"), dtype=dtype, param_dtype=dtype,
+                            vocab_size=vocab_size)
+  m = Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0))
+  m.lm_head[...] = m.lm_head[...] * 30.0
+  for layer in lora_layers(m):
+    layer.lora_b[...] = jnp.full(layer.lora_b.shape, 0.05)
+  return m
+
+
+def program_text(sampler: Sampler) -> str:
+  return next(iter(sampler._programs.values())).as_text()
+
+
+# ---------------------------------------------------------------------------
+# bf16 on AMX tiles.
+
+
+def test_pack_bf16_lays_out_pairs_of_rows_per_tile():
+  w = jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48)  # integers below 256 stay exact
+  w = w % 251
+  packed = np.asarray(cpu_kernels.pack_bf16(w)).astype(np.float32)
+  assert packed.shape == (3, 2, 16, 32)
+  for n, c, r, j, e in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (2, 1, 15, 15, 1), (1, 0, 7, 3, 0)]:
+    assert packed[n, c, r, 2 * j + e] == float(w[32 * c + 2 * r + e, 16 * n + j])
+  assert cpu_kernels.can_pack(w) and not cpu_kernels.can_pack(w[:, :40])
+  assert not cpu_kernels.can_pack(w[:48])
+
+
+def amx_or_skip():
+  if not cpu_kernels.amx_available():
+    pytest.skip("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
+
+
+class TestCpuPackedMatmul(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_equals_the_bf16_product_with_float32_accumulation(self):
+    amx_or_skip()
+    rng = np.random.default_rng(3)
+    # rows: 3 x 16 (a lone block of 16 after a pair) and 2 x 5 (padded); 48 columns = 3
+    # blocks of 16 (a lone block after a pair); K = 96, three tiles deep.
+    for lead in ((48,), (2, 5)):
+      x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.bfloat16)
+      w = jnp.asarray(rng.standard_normal((96, 48)), jnp.bfloat16)
+      packed = cpu_kernels.pack_bf16(w)
+      want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+      got = self.variant(functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32))(
+          x, packed)
+      assert got.shape == (*lead, 48) and got.dtype == jnp.float32
+      chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-5)
+      rounded = self.variant(cpu_kernels.packed_matmul)(x, packed)
+      assert rounded.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(rounded), np.asarray(got.astype(jnp.bfloat16)))
+
+
+def test_bf16_sampler_runs_its_projections_on_amx_like_xla(monkeypatch):
+  amx_or_skip()
+  m = policy_with_adapters("bfloat16", vocab_size=112)  # a head AMX takes (97: no multiple of 16)
+  config = SamplingConfig(greedy=True, max_new_tokens=16, **BUCKETS)
+  with_amx = Sampler(config)
+  got = with_amx.sample(m, PROMPTS, 2, jax.random.key(0))
+  text = program_text(with_amx)
+  assert text.count('custom_call_target="epgrpo_packed_matmul"') >= 4 * m.cfg.num_layers
+  assert 'custom_call_target="epgrpo_packed_matmul_f32"' in text  # the head
+  with_xla = Sampler(config.replace(packed_weights=False))
+  want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
+  assert "epgrpo_packed_matmul" not in program_text(with_xla)
+  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)  # a CPU without AMX
+  without = Sampler(config)
+  without.sample(m, PROMPTS, 2, jax.random.key(0))
+  assert "epgrpo_packed_matmul" not in program_text(without)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# float32 on AVX-512 panels.
+
+
+def panels_or_skip():
+  if not cpu_kernels.panels_available():
+    pytest.skip("the CPU kernels are not built for AVX-512 here")
+
+
+def test_pack_panels_lays_out_32_columns_per_panel_across_the_group():
+  panels_or_skip()
+  w = jnp.arange(40 * 96, dtype=jnp.float32).reshape(40, 96)
+  for parts in ([w], [w[:, :64], w[:, 64:]], [w[:, :40], w[:, 40:48], w[:, 48:]]):
+    # one weight; two in whole panels; three whose panels straddle them (as q/k/v can)
+    packed = np.asarray(cpu_kernels.pack_panels(parts))
+    assert packed.shape == (3, 40, 32)
+    np.testing.assert_array_equal(packed, np.asarray(w).reshape(40, 3, 32).transpose(1, 0, 2))
+    for p, k, j in [(0, 0, 0), (0, 39, 31), (1, 7, 3), (1, 7, 8), (2, 39, 17)]:
+      assert packed[p, k, j] == float(w[k, 32 * p + j])
+  assert cpu_kernels.can_pack_panels([jnp.zeros((256, 240)), jnp.zeros((256, 16))])
+  assert not cpu_kernels.can_pack_panels([jnp.zeros((256, 256)), jnp.zeros((256, 40))])
+  assert not cpu_kernels.can_pack_panels([jnp.zeros((256, 256)), jnp.zeros((128, 32))])
+  assert not cpu_kernels.can_pack_panels([jnp.zeros((256, 256), jnp.bfloat16)])
+  assert not cpu_kernels.can_pack_panels([jnp.zeros((8, 32))])  # below PANEL_MIN_SIZE
+
+
+class TestCpuPanelMatmul(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_equals_the_float32_product(self):
+    panels_or_skip()
+    rng = np.random.default_rng(4)
+    # rows: 21 = two blocks of 8 and a tail of 5, (2, 3) = a tail alone, 200 = the many-row
+    # path (25 blocks of 8 split across tasks); K = 37 (no alignment); N = 3 panels.
+    for lead in ((21,), (2, 3), (200,)):
+      x = jnp.asarray(rng.standard_normal((*lead, 37)), jnp.float32)
+      w = jnp.asarray(rng.standard_normal((37, 96)), jnp.float32)
+      want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+      got = self.variant(cpu_kernels.panel_matmul)(x, cpu_kernels.pack_panels([w]))
+      assert got.shape == (*lead, 96) and got.dtype == jnp.float32
+      chex.assert_trees_all_close(got, want.astype(np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_float32_sampler_runs_its_projections_on_panels_like_xla(monkeypatch):
+  panels_or_skip()
+  monkeypatch.setattr(cpu_kernels, "PANEL_MIN_SIZE", 0)  # test-tiny's weights are smaller
+  m = policy_with_adapters("float32", vocab_size=128)  # a head in whole panels
+  config = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, **BUCKETS)
+  with_panels = Sampler(config)
+  got = with_panels.sample(m, PROMPTS, 2, jax.random.key(0))
+  text = program_text(with_panels)
+  calls = text.count('custom_call_target="epgrpo_panel_matmul"')
+  assert calls >= 4 * m.cfg.num_layers + 1  # q/k/v, o, gate/up, down per layer; the head
+  assert text.count('custom_call_target="epgrpo_pack_panels"') == 4 * m.cfg.num_layers + 1
+  with_xla = Sampler(config.replace(packed_weights=False))
+  want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
+  assert "epgrpo_panel_matmul" not in program_text(with_xla)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got.entropy), np.asarray(want.entropy), atol=1e-5)
+  monkeypatch.setattr(cpu_kernels, "panels_available", lambda: False)  # a CPU without AVX-512
+  without = Sampler(config)
+  without.sample(m, PROMPTS, 2, jax.random.key(0))
+  assert "epgrpo_panel_matmul" not in program_text(without)
