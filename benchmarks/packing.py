@@ -31,6 +31,7 @@ import gzip
 import json
 import lzma
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -82,6 +83,10 @@ def math_lengths(max_prompt_tokens: int, sample: int, seed: int) -> tuple[np.nda
   picked = rng.choice(len(questions), min(sample, len(questions)), replace=False)
   prompts = np.asarray([len(renderer.ids(questions[i])) for i in picked])
   completions = np.asarray([len(ids) + 1 for ids in tokenizer(solutions)["input_ids"]])
+  if not (prompts <= max_prompt_tokens).any():
+    print(f"packing.py: --max-prompt-tokens {max_prompt_tokens}: no training prompt fits (the "
+          f"shortest of {prompts.size} drawn has {prompts.min()} tokens)", file=sys.stderr)
+    sys.exit(2)
   return prompts[prompts <= max_prompt_tokens], completions
 
 

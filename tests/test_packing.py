@@ -1,10 +1,13 @@
 """Padding-free batches (training/packing.py, train.packing): the packed layout, attention that
 never crosses a segment, and packed scoring, loss, gradients and training equal to the padded
-ones (float32, 1e-5)."""
+ones (float32, 1e-5); and benchmarks/packing.py's refusal of a prompt limit nothing fits."""
 
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import chex
 import jax
@@ -430,3 +433,12 @@ def test_config_errors(task, tmp_path):
   with pytest.raises(UserError, match="train.packing_length: 8 tokens cannot hold"):
     Trainer(rl_step_config(task, tmp_path / "run", "train.packing=true",
                            "train.packing_length=8"))
+
+
+def test_packing_benchmark_refuses_a_prompt_limit_no_prompt_fits():
+  script = Path(__file__).resolve().parents[1] / "benchmarks" / "packing.py"
+  proc = subprocess.run([sys.executable, str(script), "--max-prompt-tokens", "8"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line, no traceback
+  assert "--max-prompt-tokens 8: no training prompt fits" in proc.stderr
