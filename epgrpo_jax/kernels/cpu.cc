@@ -427,9 +427,9 @@ ffi::Error LargestThresholdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> valu
   float* op = out->typed_data();
   if (V == 0) return ffi::Error::InvalidArgument("largest threshold: empty rows");
   ParallelChunks(pool, vd[0], [=](int64_t begin, int64_t end) {
-    std::vector<float> cv(V), cw(V);
+    const std::unique_ptr<float[]> scratch(new float[2 * V]);  // written before it is read
     for (int64_t b = begin; b < end; ++b)
-      op[b] = LargestThreshold(vp + b * V, wp + b * V, V, tp[b], cv.data(), cw.data());
+      op[b] = LargestThreshold(vp + b * V, wp + b * V, V, tp[b], scratch.get(), scratch.get() + V);
   });
   return ffi::Error::Success();
 }
@@ -519,8 +519,8 @@ ffi::Error NucleusDrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   int32_t* tp = tokens->typed_data();
   float *gp = logp->typed_data(), *hp = entropy->typed_data();
   ParallelChunks(pool, ld[0], [=](int64_t begin, int64_t end) {
-    std::vector<float> scratch(4 * V);
-    float* s = scratch.data();
+    const std::unique_ptr<float[]> scratch(new float[4 * V]);  // written before it is read
+    float* s = scratch.get();
     for (int64_t b = begin; b < end; ++b)
       NucleusRow(lp + b * V, V, temperature, top_p, up[b], s, s + V, s + 2 * V, s + 3 * V,
                  tp + b, gp + b, hp + b);
