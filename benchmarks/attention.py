@@ -1,4 +1,5 @@
-"""One layer's training attention, forward + backward: plain vs blockwise vs cuDNN, time and memory.
+"""One layer's training attention, forward + backward: plain vs blockwise vs cuDNN vs the C++
+kernel, time and memory.
 
 The causal, left-padded attention of the scoring and update passes (`models._attention`)
 at a model's head shapes (`--preset`: query heads, KV heads, head dim), `--rows`
@@ -7,7 +8,9 @@ implementation's `jax.grad` of a weighted sum of its output is jitted and compil
 prints per implementation the median milliseconds of forward + backward (alternating
 runs), TFLOP/s (4 matmuls of T x T x Hd forward, 8 backward, causal half not
 skipped, as plain computes them) and the compiled program's temporaries from
-`memory_analysis()`. cuDNN runs only where JAX sees a GPU and the dtype is bf16/fp16.
+`memory_analysis()`. cuDNN runs only where JAX sees a GPU and the dtype is bf16/fp16; the
+C++ kernel (`model.attention=cpu`) on CPU in float32, its inputs transposed to its layout
+inside the timed program (the model hands it that layout without transposes).
 Also checks that the implementations agree (float32: 1e-5; bf16: 2e-2).
 
   python benchmarks/attention.py [--preset qwen2.5-1.5b] [--rows 4] [--tokens 4096]
@@ -33,6 +36,7 @@ def main():
   import jax
   import jax.numpy as jnp
 
+  from epgrpo_jax.kernels import cpu as cpu_kernels
   from epgrpo_jax.models import _attention, as_dtype, preset
 
   import _common as C
@@ -54,6 +58,11 @@ def main():
   }
   if jax.default_backend() == "gpu" and args.dtype != "float32":
     impls["cudnn"] = lambda q, kk, v: _attention.cudnn(q, kk, v, valid, 0)
+  if jax.default_backend() == "cpu" and args.dtype == "float32" and cpu_kernels.available():
+    segments = jnp.zeros(valid.shape, jnp.int32)
+    impls["cpu"] = lambda q, kk, v: cpu_kernels.causal_attention(
+        q.transpose(0, 3, 1, 2, 4), kk.transpose(0, 3, 1, 2), v.transpose(0, 2, 1, 3), valid,
+        segments).transpose(0, 2, 3, 1, 4)
 
   def grad_program(fn):
     def loss(q, kk, v):

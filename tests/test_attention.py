@@ -1,4 +1,5 @@
-"""The attention paths: blockwise (and jax.nn's reference) equal the plain one in values and grads.
+"""The attention paths: blockwise, the C++ kernel (and jax.nn's reference) equal the plain one in
+values and grads.
 
 float32 throughout; tiny shapes so that the whole file runs in seconds on CPU.
 """
@@ -16,7 +17,8 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epgrpo_jax.models import LORA, LoraConfig, _attention
+from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.models import LORA, LoraConfig, _attention, one_device_program
 from helpers import random_model, tiny_config
 
 ATOL = 1e-5
@@ -139,6 +141,75 @@ class BlockwiseTest(chex.TestCase):
     chex.assert_trees_all_close(got, want, atol=ATOL, rtol=0)
 
 
+def _kernel_layout(fn):
+  """`fn` of q [B, K, G, T, Hd], keys [B, K, Hd, S], values [B, K, S, Hd] (the other paths'
+  layouts) as a function of q [B, T, K, G, Hd], k and v [B, T, K, Hd] (the kernel's)."""
+  return lambda q, k, v: fn(q.transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 3, 1),
+                            v.transpose(0, 2, 1, 3)).transpose(0, 3, 1, 2, 4)
+
+
+class CpuKernelTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_values_and_grads_equal_plain(self):
+    # GQA (2 KV heads x 3 query heads), 75 queries: blocks of 16 queries, the last partial;
+    # head dim 64 and up to 75 slots: whole blocks of 64 columns and tails in the products;
+    # row 0 unpadded, row 1 left-padded, row 2 all padding, row 3 holes and 3 packed segments.
+    assert cpu_kernels.available()
+    b, k, g, t, hd = 4, 2, 3, 75, 64
+    rng = np.random.default_rng(11)
+    q, weights = (jnp.asarray(rng.standard_normal((b, t, k, g, hd)), jnp.float32) for _ in range(2))
+    keys, values = (jnp.asarray(rng.standard_normal((b, t, k, hd)), jnp.float32) for _ in range(2))
+    valid = _left_padded(b, t, seed=11)
+    segments = jnp.zeros((b, t), jnp.int32).at[3, 12:].set(1).at[3, 50:].set(2)
+    allowed = _attention.visible(valid, 0, t, segments)
+    seen = allowed.any(-1)
+    plain = _kernel_layout(lambda q, kk, v: _attention.attend(q, kk, v, allowed))
+    kernel = lambda q, kk, v: cpu_kernels.causal_attention(q, kk, v, valid, segments)
+
+    def masked(fn):
+      out, vjp = jax.vjp(fn, q, keys, values)
+      mask = seen[:, :, None, None, None]
+      return jnp.where(mask, out, 0.0), vjp(jnp.where(mask, weights, 0.0)), out
+
+    want, got = masked(plain), self.variant(lambda: masked(kernel))()
+    chex.assert_trees_all_close(got[:2], want[:2], atol=ATOL, rtol=0)
+    assert not np.asarray(seen[2]).any()
+    np.testing.assert_array_equal(np.asarray(got[2][2]), 0.0)  # sees nothing: 0, not NaN
+
+  def test_model_takes_the_kernel_in_one_device_programs_and_equals_plain(self):
+    # Through the whole model (left padding, GQA, remat, LoRA grads, packed segments): the
+    # kernel's loss and adapter grads equal plain's; on several devices it runs plain.
+    lora = LoraConfig(rank=2, alpha=4.0)
+    cfg = tiny_config(num_layers=2, remat=True)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, 97, (3, 21)), jnp.int32)
+    mask = jnp.asarray(np.arange(21)[None] >= np.asarray([[0], [4], [21]]))  # row 2: all padding
+    positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
+    segments = jnp.zeros((3, 21), jnp.int32).at[0, 9:].set(1)
+
+    def loss(model):
+      hidden, _ = model(tokens, positions, mask, segments_BxT=segments)
+      return jnp.sum(jnp.where(mask[..., None], model.logits(hidden), 0.0) ** 2) / 100
+
+    grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, LORA))
+    results, calls = {}, {}
+    for name, one_device in (("plain", True), ("cpu", True), ("cpu", False)):
+      model = random_model(cfg.replace(attention=name), lora=lora, seed=7)
+      with one_device_program(one_device):
+        value, grads = nnx.jit(grad)(model)
+        graphdef, state = nnx.split(model)
+        jaxpr = str(jax.make_jaxpr(lambda st: grad(nnx.merge(graphdef, st)))(state))
+        backward = jaxpr.count("epgrpo_causal_attention_grad")
+        calls[name, one_device] = (jaxpr.count("epgrpo_causal_attention") - backward, backward)
+      results[name, one_device] = (value, nnx.to_pure_dict(grads))
+    # Per layer: the forward, its recomputation in the backward (remat), one backward.
+    layers = cfg.num_layers
+    assert calls == {("plain", True): (0, 0), ("cpu", True): (2 * layers, layers),
+                     ("cpu", False): (0, 0)}
+    chex.assert_trees_all_close(results["cpu", True], results["plain", True], atol=ATOL, rtol=1e-5)
+    chex.assert_trees_all_close(results["cpu", False], results["plain", True], atol=ATOL, rtol=1e-5)
+
+
 @jax.jit
 def _both(q, keys, values, weights, valid, offset):
   plain = lambda q, kk, v: _attention.attend(q, kk, v, _attention.visible(valid, offset, q.shape[3]))
@@ -182,9 +253,12 @@ def test_model_blockwise_equals_plain_with_remat_and_lora():
 
 
 def test_auto_choice_and_config_errors():
-  # CPU: plain (fastest at the project's CPU shapes); GPU bf16: cuDNN; GPU fp32 and TPU: blockwise.
-  assert _attention.resolve("auto", jnp.float32) == "plain"
-  assert _attention.resolve("auto", jnp.float32, backend="cpu") == "plain"
+  # CPU: the C++ kernel in float32 (it builds on the test machines), plain in bf16; GPU bf16:
+  # cuDNN; GPU fp32 and TPU: blockwise.
+  assert cpu_kernels.available()
+  assert _attention.resolve("auto", jnp.float32) == "cpu"
+  assert _attention.resolve("auto", jnp.float32, backend="cpu") == "cpu"
+  assert _attention.resolve("auto", jnp.bfloat16, backend="cpu") == "plain"
   assert _attention.resolve("auto", jnp.bfloat16, backend="gpu") == "cudnn"
   assert _attention.resolve("auto", jnp.float32, backend="gpu") == "blockwise"
   assert _attention.resolve("auto", jnp.bfloat16, backend="tpu") == "blockwise"

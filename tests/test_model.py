@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from epgrpo_jax.data.evalsets import load_benchmark
-from epgrpo_jax.models._lora import fused, low_rank, matmul, one_device_program
+from epgrpo_jax.models import _lora
+from epgrpo_jax.models._lora import (Linear, folds_adapters, fused, low_rank, matmul,
+                                     merged_lora, one_device_program)
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
                                from_pretrained, hf_state_dict, init_cache, load_hf_config,
                                load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
@@ -613,6 +615,96 @@ class LowRankTest(chex.TestCase):
     chex.assert_trees_all_close(ours(x, a, b), plain(x, a, b), rtol=1e-5, atol=1e-5)
 
 
+class MergedLoraTest(chex.TestCase):
+  """float32 with many rows: the adapters folded into the kernel for the product,
+  x @ (w + scale * a @ b), equal to the unmerged x @ w + scale * low_rank(x, a, b)."""
+
+  M, K, N, R = 512, 64, 96, 8  # M * (K + N) > K * N: the merge is the cheaper
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_values_and_gradients_match_the_unmerged_formula(self):
+    rng = np.random.default_rng(0)
+    x, w, a, b, t = (jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for s in (
+        (1, self.M, self.K), (self.K, self.N), (self.K, self.R), (self.R, self.N),
+        (1, self.M, self.N)))  # y of order 1: tanh not saturated
+    scale = 0.5
+
+    def loss(fn):
+      return lambda x, w, a, b: jnp.sum(jnp.tanh(fn(x, w, a, b)) * t)
+
+    ours = self.variant(jax.value_and_grad(
+        loss(lambda x, w, a, b: merged_lora(x, w, a, b, scale)), argnums=(0, 1, 2, 3)))
+    unmerged = jax.value_and_grad(
+        loss(lambda x, w, a, b: x @ w + scale * low_rank(x, a, b)), argnums=(0, 1, 2, 3))
+    # The value and each gradient (x, w, a, b) within 1e-5 of its own largest entry: the
+    # gradients' 512-row sums cancel, so a small entry carries its terms' rounding.
+    jax.tree.map(lambda got, want: chex.assert_trees_all_close(
+        got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max())),
+                 ours(x, w, a, b), unmerged(x, w, a, b))
+
+  def test_the_rule(self):
+    if jax.default_backend() != "cpu":  # their float32 dots' TF32 / bf16 passes would round W'
+      assert not folds_adapters(jnp.float32, 10_000, self.K, self.N)
+      return
+    assert folds_adapters(jnp.float32, self.M, self.K, self.N)
+    assert not folds_adapters(jnp.float32, 4, self.K, self.N)
+    assert not folds_adapters(jnp.float32, 38, self.K, self.N)  # 38 * 160 < 64 * 96 < 39 * 160
+    assert folds_adapters(jnp.float32, 39, self.K, self.N)
+    for dtype in (jnp.bfloat16, jnp.float16):
+      assert not folds_adapters(dtype, 10_000, self.K, self.N)
+
+  def _linear(self, dtype, lora_b):
+    if dtype == jnp.float32 and jax.default_backend() != "cpu":
+      self.skipTest("accelerators keep the rank products")
+    layer = Linear(self.K, self.N, use_bias=True, param_dtype=jnp.float32, dtype=dtype,
+                   rngs=nnx.Rngs(0), lora_rank=self.R, lora_scale=2.0)
+    rng = np.random.default_rng(1)
+    layer.bias[...] = jnp.asarray(rng.standard_normal(self.N), jnp.float32)
+    layer.kernel[...] = layer.kernel[...].at[:4].set(-0.0)  # signed zeros stay as they are
+    layer.lora_b[...] = jnp.asarray(lora_b * rng.standard_normal((self.R, self.N)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, self.M // 2, self.K)), dtype)
+    return layer, x
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_zero_adapters_give_the_reference_output_bit_for_bit(self):
+    # Step 1 (every B zero): log pi - log pi_ref, the progress signal, must be exactly zero.
+    layer, x = self._linear(jnp.float32, lora_b=0.0)
+    forward = self.variant(lambda x, adapters: layer(x, adapters), static_argnames="adapters")
+    with mock.patch.object(_lora, "merged_lora", wraps=merged_lora) as merged:
+      policy = forward(x, adapters=True)
+    assert merged.called  # the merged path, not low_rank's (+0 added)
+    bits = lambda v: np.asarray(v).view(np.uint32)
+    np.testing.assert_array_equal(bits(policy), bits(forward(x, adapters=False)))
+    both = self.variant(lambda x: (layer(x, True), layer(x, False)))(x)  # in one program too
+    np.testing.assert_array_equal(bits(both[0]), bits(both[1]))
+    w, a, b = layer.kernel[...], layer.lora_a[...], layer.lora_b[...]  # w + a @ 0 is w, -0.0 too
+    np.testing.assert_array_equal(bits(self.variant(_lora._merged_kernel, static_argnums=3)(
+        w, a, b, layer.lora_scale)), bits(w))
+
+  def test_float32_linear_folds_its_adapters(self):
+    layer, x = self._linear(jnp.float32, lora_b=0.3)
+    with mock.patch.object(_lora, "low_rank", wraps=low_rank) as unmerged:
+      got = layer(x)
+    assert not unmerged.called
+    want = (x @ layer.kernel[...] + layer.bias[...]
+            + layer.lora_scale * low_rank(x, layer.lora_a[...], layer.lora_b[...]))
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    with mock.patch.object(_lora, "merged_lora", wraps=merged_lora) as merged:
+      layer(x[:, :2])  # 4 rows: the rank products are the cheaper
+    assert not merged.called
+
+  def test_bfloat16_linear_keeps_the_rank_products(self):
+    layer, x = self._linear(jnp.bfloat16, lora_b=0.3)
+    with mock.patch.object(_lora, "merged_lora", wraps=merged_lora) as merged, \
+         mock.patch.object(_lora, "low_rank", wraps=low_rank) as unmerged:
+      got = layer(x)
+    assert unmerged.called and not merged.called
+    a, b = (layer.lora_a[...].astype(jnp.bfloat16), layer.lora_b[...].astype(jnp.bfloat16))
+    want = (matmul(x, layer.kernel[...].astype(jnp.bfloat16)) + layer.bias[...].astype(jnp.bfloat16)
+            + (layer.lora_scale * low_rank(x, a, b)).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 class RoundedMatmulTest(chex.TestCase):
   """`matmul` in bf16 on CPU: the products (forward and backward) are bf16 x bf16 -> float32,
   rounded once; values and gradients equal float32 autodiff to bf16 precision."""
@@ -665,7 +757,7 @@ class RoundedMatmulTest(chex.TestCase):
     assert text.count('@epgrpo_packed_matmul(') == 2, text  # forward and input gradient
     with one_device_program(False):
       assert "epgrpo_packed_matmul" not in value_and_grads().lower(x, w).as_text()
-    with one_device_program(True):  # fewer rows than AMX_MIN_ROWS: XLA's dot
+    with one_device_program(True):  # fewer rows than PACKED_MIN_ROWS: XLA's dot
       assert "epgrpo_packed_matmul" not in jax.jit(lambda x, w: matmul(x, w)).lower(x[:3], w).as_text()
     with mock.patch.object(cpu_kernels, "amx_available", lambda: False):
       want = value_and_grads()(x, w)  # XLA's dots

@@ -47,8 +47,11 @@ TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
            "epgrpo_packed_matmul": "EpgrpoPackedMatmul",
            "epgrpo_packed_matmul_f32": "EpgrpoPackedMatmulF32",
            "epgrpo_panel_matmul": "EpgrpoPanelMatmul",
-           "epgrpo_pack_panels": "EpgrpoPackPanels"}  # FFI target: C++ symbol
-SOURCE = Path(__file__).with_name("cpu.cc")
+           "epgrpo_pack_panels": "EpgrpoPackPanels",
+           "epgrpo_causal_attention": "EpgrpoCausalAttention",
+           "epgrpo_causal_attention_grad": "EpgrpoCausalAttentionGrad"}  # FFI target: C++ symbol
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cc", "attention.cc"))
+HEADERS = (Path(__file__).with_name("common.h"),)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
 
@@ -75,7 +78,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
   compiler = compiler or os.environ.get("CXX") or "c++"
   directory = directory or cache_dir()
   key = hashlib.sha256("\n".join([
-      SOURCE.read_text(), compiler, " ".join(FLAGS), jax.__version__, _cpu_signature()]).encode())
+      *(f.read_text() for f in SOURCES + HEADERS), compiler, " ".join(FLAGS), jax.__version__, _cpu_signature()]).encode())
   target = directory / f"cpu_kernels-{key.hexdigest()[:16]}.so"
   if target.exists():
     return target
@@ -84,11 +87,11 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
   directory.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=directory) as tmp:  # then an atomic rename
     partial = Path(tmp) / target.name
-    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(partial)]
+    cmd = [compiler, *FLAGS, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", str(partial)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
       last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-      raise RuntimeError(f"{compiler} failed on {SOURCE.name}: {last}")
+      raise RuntimeError(f"{compiler} failed on {', '.join(f.name for f in SOURCES)}: {last}")
     os.replace(partial, target)
   logger.info("built the CPU kernels: %s", target)
   return target
@@ -258,3 +261,33 @@ def packing_for(dtype) -> Packing | None:
   if dtype == jnp.float32 and panels_available():
     return PANELS_F32
   return None
+
+
+@jax.custom_vjp
+def causal_attention(q_BxTxKxGxHd: jax.Array, k_BxTxKxHd: jax.Array, v_BxTxKxHd: jax.Array,
+                     valid_BxT: jax.Array, segments_BxT: jax.Array) -> jax.Array:
+  """softmax(q . k / sqrt(Hd)) . v in float32, query t seeing slot s iff s <= t, `valid_BxT[b, s]`
+  and `segments_BxT[b, s] == segments_BxT[b, t]`; G query heads share a KV head. A query with
+  no visible slot gets 0. Differentiable in q, k and v (a C++ backward). Call `available()`
+  first."""
+  return _causal_attention_fwd(q_BxTxKxGxHd, k_BxTxKxHd, v_BxTxKxHd, valid_BxT, segments_BxT)[0]
+
+
+def _causal_attention_fwd(q, k, v, valid, segments):
+  args = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+          valid.astype(bool), segments.astype(jnp.int32))
+  outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:-1], jnp.float32))
+  out, lse = jax.ffi.ffi_call("epgrpo_causal_attention", outs)(*args)
+  return out.astype(q.dtype), (args, out, lse)
+
+
+def _causal_attention_bwd(residuals, dout):
+  (q, k, v, valid, segments), out, lse = residuals
+  outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+          jax.ShapeDtypeStruct(v.shape, jnp.float32))
+  dq, dk, dv = jax.ffi.ffi_call("epgrpo_causal_attention_grad", outs)(
+      q, k, v, valid, segments, out, lse, dout.astype(jnp.float32))
+  return dq, dk, dv, None, None
+
+
+causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)

@@ -1,4 +1,5 @@
-"""Attention over keys that are valid per slot and causal per query: plain, blockwise, cuDNN.
+"""Attention over keys that are valid per slot and causal per query: plain, blockwise, cuDNN,
+and a C++ kernel on the CPU.
 
 Shape suffixes as in `_qwen2`: B batch, K key/value heads, G query heads per KV head,
 T queries, S key slots, Hd head dim, Bk keys per block, nb blocks.
@@ -20,10 +21,14 @@ segment: `segments_BxS[b, s] == segments_BxS[b, offset + t]`:
   query offset is a Python int.
 - "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash
   attention; GPU, bf16/fp16 only).
+- "cpu" is `kernels.cpu.causal_attention` (float32 C++, forward and backward) for passes
+  without a cache in a single-device program: it takes q, k and v in the projections'
+  layout (no transposes), skips the causal upper half of the scores, and recomputes the
+  probabilities in its backward pass. Elsewhere (a cache, several devices) it runs "plain".
 
 A query with no visible slot (left padding) gets a finite output, not NaN: uniform
 weights over all S slots in "plain", over the slots its query block scans in
-"blockwise". The model never reads such a query's output (its slot is not a valid key,
+"blockwise", zero in "cpu". The model never reads such a query's output (its slot is not a valid key,
 and losses mask it), so only queries that see a slot are held to equal values.
 """
 
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.models._config import ATTENTION as IMPLEMENTATIONS
 
 _NEG = -1e30  # finite, so that a row with no valid key gets a uniform, not NaN, softmax
@@ -44,9 +50,9 @@ _NEG = -1e30  # finite, so that a row with no valid key gets a uniform, not NaN,
 def resolve(name: str, dtype, backend: str | None = None) -> str:
   """The implementation `name` ("auto": chosen by backend and dtype) stands for.
 
-  auto: "cudnn" on a GPU in bf16/fp16; "plain" on CPU, where the project's shapes
-  are small and plain was fastest (docs/benchmarks.md); "blockwise" elsewhere
-  (GPU in fp32, TPU), where long sequences are the point.
+  auto: "cudnn" on a GPU in bf16/fp16; on the CPU "cpu" in float32 where the C++ kernels
+  build (three times XLA's plain attention at the bench shapes, docs/benchmarks.md), else
+  "plain"; "blockwise" elsewhere (GPU in fp32, TPU), where long sequences are the point.
   """
   if name not in IMPLEMENTATIONS:
     raise UserError(f"model.attention: unknown {name!r}; use one of {list(IMPLEMENTATIONS)}")
@@ -54,7 +60,7 @@ def resolve(name: str, dtype, backend: str | None = None) -> str:
     return name
   backend = backend or jax.default_backend()
   if backend == "cpu":
-    return "plain"
+    return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu_kernels.available() else "plain"
   if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
     return "cudnn"
   return "blockwise"

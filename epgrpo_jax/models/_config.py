@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from epgrpo_jax.io.errors import UserError
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-ATTENTION = ("auto", "plain", "blockwise", "cudnn")
+ATTENTION = ("auto", "plain", "blockwise", "cudnn", "cpu")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -42,7 +42,8 @@ class ModelConfig:
   param_dtype: str = "float32"  # base-weight dtype (LoRA weights stay float32)
   remat: bool = False  # rematerialise each decoder layer in the backward pass
   # Attention over more than one query (prefill, scoring, update): auto | plain | blockwise |
-  # cudnn (`_attention.resolve`; auto: cudnn on GPU in bf16, plain on CPU, else blockwise).
+  # cudnn | cpu (`_attention.resolve`; auto: cudnn on GPU in bf16, the C++ kernel "cpu" on CPU
+  # in float32, plain on CPU otherwise, else blockwise).
   attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
 

@@ -23,7 +23,8 @@ from flax import nnx
 from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
-from epgrpo_jax.models._lora import Linear, fused
+from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.models._lora import Linear, fused, one_device
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
@@ -96,7 +97,7 @@ def recompute_in_backward(fn: Callable) -> Callable:
   return wrapped
 
 
-def _remat_block(layer: "Block", x, positions, valid, segments, attention: tuple[str, int],
+def _remat_block(layer: "Block", x, angles, valid, segments, attention: tuple[str, int],
                  adapters: bool):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
@@ -106,11 +107,11 @@ def _remat_block(layer: "Block", x, positions, valid, segments, attention: tuple
   """
   graphdef, state = nnx.split(layer)
 
-  def pure(state, x, positions, valid, segments):
-    return nnx.merge(graphdef, state)(x, positions, None, None, None, valid, 0, None, attention,
-                                      adapters, segments)[0]
+  def pure(state, x, angles, valid, segments):
+    return nnx.merge(graphdef, state)(x, angles, None, None, valid, 0, None, attention, adapters,
+                                      segments)[0]
 
-  return recompute_in_backward(pure)(state, x, positions, valid, segments)
+  return recompute_in_backward(pure)(state, x, angles, valid, segments)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
@@ -149,16 +150,22 @@ def rope_table(cfg: ModelConfig, length: int) -> tuple[jax.Array, jax.Array]:
   return cos[0, :, 0], sin[0, :, 0]
 
 
-def rope(x_BxTxNxHd, positions_BxT, theta: float, table: tuple[jax.Array, jax.Array] | None = None):
-  """Rotary embedding in the HF "rotate half" layout, computed in float32.
-
-  cos and sin come from `table` (a `rope_table`) at `positions_BxT` if given, else are computed.
-  """
+def rope_angles(positions_BxT, head_dim: int, theta: float,
+                table: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [B, T, 1, Hd] at `positions_BxT`: looked up in `table` (a `rope_table`) if
+  given, else computed (`rope_cos_sin`)."""
   if table is None:
-    cos_BxTx1xHd, sin_BxTx1xHd = rope_cos_sin(positions_BxT, x_BxTxNxHd.shape[-1], theta)
-  else:
-    cos_BxTx1xHd, sin_BxTx1xHd = (jnp.take(t_LxHd, positions_BxT, axis=0)[:, :, None]
-                                  for t_LxHd in table)
+    return rope_cos_sin(positions_BxT, head_dim, theta)
+  return tuple(jnp.take(t_LxHd, positions_BxT, axis=0)[:, :, None] for t_LxHd in table)
+
+
+def rope(x_BxTxNxHd, positions_BxT, theta: float, table: tuple[jax.Array, jax.Array] | None = None):
+  """Rotary embedding in the HF "rotate half" layout, computed in float32 (`rope_angles`)."""
+  return rotate(x_BxTxNxHd, *rope_angles(positions_BxT, x_BxTxNxHd.shape[-1], theta, table))
+
+
+def rotate(x_BxTxNxHd, cos_BxTx1xHd, sin_BxTx1xHd):
+  """`rope` by the angles' cos and sin, computed in float32."""
   x = x_BxTxNxHd.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], -1)
@@ -210,33 +217,40 @@ class Attention(nnx.Module):
     self.o = _linear(cfg, lora, "o", h * hd, d, False, rngs)
     self.cfg = cfg
 
-  def __call__(self, x_BxTxD, positions_BxT, rope_table, k_BxKxHdxS, v_BxKxSxHd, valid_BxS,
-               offset, write_index, attention: tuple[str, int], adapters: bool, segments_BxS=None):
-    """Writes this block's keys/values at `write_index` (None: no cache) and attends: query t
+  def __call__(self, x_BxTxD, angles, k_BxKxHdxS, v_BxKxSxHd, valid_BxS, offset, write_index,
+               attention: tuple[str, int], adapters: bool, segments_BxS=None):
+    """Rotates q and k by `angles` (`rope_angles`: cos, sin), writes this block's keys/values at
+    `write_index` (None: no cache) and attends: query t
     (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS` (and of its own
     segment, given `segments_BxS`), by the resolved `attention` (implementation, block size)
-    (a one-token step: the plain path or decode kernel)."""
+    (a one-token step: the plain path or decode kernel; "cpu": the C++ kernel without a cache
+    in a single-device program on CPU, plain otherwise)."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = rope(q, positions_BxT, cfg.rope_theta, rope_table)
-    k = rope(k, positions_BxT, cfg.rope_theta, rope_table)
+    q, k = rotate(q, *angles), rotate(k, *angles)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    if (write_index is None and attention[0] == "cpu" and jax.default_backend() == "cpu"
+        and one_device() and cpu_kernels.available()):
+      segments = jnp.zeros(valid_BxS.shape, jnp.int32) if segments_BxS is None else segments_BxS
+      out = cpu_kernels.causal_attention(
+          q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim), k, v, valid_BxS, segments)
+      return self.o(out.reshape(b, t, cfg.num_heads * cfg.head_dim), adapters), None, None
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
       keys, values = k_BxKxHdxT, v_BxKxTxHd
     else:
       keys = write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
       values = write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
-    groups = cfg.num_heads // cfg.num_kv_heads
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
     kernel = _DECODE_KERNEL.get()
     if (kernel is not None and t == 1 and write_index is not None
         and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
       out = kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
-    elif attention[0] == "plain" or t == 1:
+    elif attention[0] in ("plain", "cpu") or t == 1:
       out = _attention.attend(q, keys, values,
                               _attention.visible(valid_BxS, offset, t, segments_BxS))
     elif attention[0] == "blockwise":
@@ -270,11 +284,11 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
     self.mlp = MLP(cfg, lora, rngs)
 
-  def __call__(self, x, positions, rope_table, k, v, valid, offset, write_index,
-               attention: tuple[str, int], adapters: bool, segments=None):
+  def __call__(self, x, angles, k, v, valid, offset, write_index, attention: tuple[str, int],
+               adapters: bool, segments=None):
     dtype = x.dtype
-    h, k, v = self.attn(self.input_norm(x).astype(dtype), positions, rope_table, k, v, valid,
-                        offset, write_index, attention, adapters, segments)
+    h, k, v = self.attn(self.input_norm(x).astype(dtype), angles, k, v, valid, offset,
+                        write_index, attention, adapters, segments)
     x = x + h.astype(dtype)
     x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters).astype(dtype)
     return x, k, v
@@ -348,16 +362,17 @@ class Qwen2(nnx.Module):
       valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
       offset = write_index
 
+    angles = rope_angles(positions_BxT, cfg.head_dim, cfg.rope_theta, rope_table)
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       if cache is None and cfg.remat:  # remat matters for the backward pass (no cache)
-        x = _remat_block(layer, x, positions_BxT, valid, segments_BxT, attention, adapters)
+        x = _remat_block(layer, x, angles, valid, segments_BxT, attention, adapters)
         k = v = None
       else:
         ck = cache["k"][i] if cache is not None else None
         cv = cache["v"][i] if cache is not None else None
-        x, k, v = layer(x, positions_BxT, rope_table, ck, cv, valid, offset, write_index,
-                        attention, adapters, segments_BxT)
+        x, k, v = layer(x, angles, ck, cv, valid, offset, write_index, attention, adapters,
+                        segments_BxT)
       x = _constrain(x)
       new_k.append(k)
       new_v.append(v)

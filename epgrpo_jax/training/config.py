@@ -50,7 +50,9 @@ class ModelRunConfig:
   # (the reference is the model with the adapters off).
   full_finetune: bool = False
   remat: bool = False  # rematerialise decoder layers in the backward pass (long sequences)
-  attention: str = "auto"  # auto | plain | blockwise | cudnn (auto: plain on CPU, cuDNN on GPU in bf16)
+  # auto | plain | blockwise | cudnn | cpu (auto: the C++ kernel "cpu" on CPU in float32, plain
+  # on CPU otherwise, cuDNN on GPU in bf16)
+  attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
 
   def __post_init__(self):

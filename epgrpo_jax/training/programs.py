@@ -22,7 +22,7 @@ from epgrpo_jax.core import optim
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import place
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import Qwen2, activation_constraint, one_device_program
+from epgrpo_jax.models import Qwen2, activation_constraint, one_device_program, rope_table
 from epgrpo_jax.training.advantage_program import advantage_step
 from epgrpo_jax.training.packing import Packing, check_layout
 
@@ -84,10 +84,13 @@ def completion_logprobs(model: Qwen2, rollout: Rollout, *, temperature: float,
   the [B, N] layout (0 where the completion mask is false).
   """
   kw = dict(temperature=temperature, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+  # Positions stay below the row length. Looked up in a table (a constant), the rotary cos and
+  # sin are not computed afresh: XLA:CPU fuses them into each consumer, once per head and layer.
   if rollout.packing is not None:
     p = rollout.packing
     hidden_RxLxD, _ = model(p.tokens, p.positions, p.segments > 0, adapters=adapters,
-                            segments_BxT=p.segments)
+                            segments_BxT=p.segments,
+                            rope_table=rope_table(model.cfg, p.tokens.shape[1]))
     per_slot = losses.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
     mask_BxN = rollout.completion_mask
     return tuple(jnp.where(mask_BxN, x_RxL.reshape(-1)[p.index], 0.0) for x_RxL in per_slot)
@@ -95,7 +98,8 @@ def completion_logprobs(model: Qwen2, rollout: Rollout, *, temperature: float,
   tokens_BxL = jnp.concatenate([rollout.prompt_ids, rollout.completion], axis=1)[:, :-1]
   mask_BxL = jnp.concatenate([rollout.prompt_mask, rollout.completion_mask], axis=1)[:, :-1]
   positions_BxL = jnp.maximum(jnp.cumsum(mask_BxL, axis=1) - 1, 0)
-  hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters)
+  hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters,
+                          rope_table=rope_table(model.cfg, tokens_BxL.shape[1]))
   hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
   return losses.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
 
