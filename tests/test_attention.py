@@ -179,7 +179,8 @@ class CpuKernelTest(chex.TestCase):
 
   def test_model_takes_the_kernel_in_one_device_programs_and_equals_plain(self):
     # Through the whole model (left padding, GQA, remat, LoRA grads, packed segments): the
-    # kernel's loss and adapter grads equal plain's; on several devices it runs plain.
+    # kernel's loss and adapter grads equal plain's; on several devices it runs plain (and
+    # the MLP's activation runs in XLA: that case compares both C++ kernels with XLA).
     lora = LoraConfig(rank=2, alpha=4.0)
     cfg = tiny_config(num_layers=2, remat=True)
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, 97, (3, 21)), jnp.int32)
@@ -201,6 +202,8 @@ class CpuKernelTest(chex.TestCase):
         jaxpr = str(jax.make_jaxpr(lambda st: grad(nnx.merge(graphdef, st)))(state))
         backward = jaxpr.count("epgrpo_causal_attention_grad")
         calls[name, one_device] = (jaxpr.count("epgrpo_causal_attention") - backward, backward)
+        # The MLP's gated activation: a C++ kernel in one-device programs (plain attention too).
+        assert ("epgrpo_swiglu" in jaxpr) == one_device
       results[name, one_device] = (value, nnx.to_pure_dict(grads))
     # Per layer: the forward, its recomputation in the backward (remat), one backward.
     layers = cfg.num_layers

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 from epgrpo_jax.data.evalsets import load_benchmark
+from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.models import _lora
 from epgrpo_jax.models._lora import (Linear, folds_adapters, fused, low_rank, matmul,
                                      merged_lora, one_device_program)
@@ -740,7 +741,6 @@ class RoundedMatmulTest(chex.TestCase):
                        line), line
 
   def test_on_amx_the_products_equal_xla_ones(self):
-    from epgrpo_jax.kernels import cpu as cpu_kernels
     if jax.default_backend() != "cpu" or not cpu_kernels.amx_available():
       self.skipTest("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
     rng = np.random.default_rng(2)
@@ -886,3 +886,22 @@ def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
         f"{[round(v / 2**20, 2) for v in temp.values()]}; weights {weights / 2**20:.2f} MiB")
   assert weights > temp[1] / 4  # the gradients matter here
   assert temp[4] <= temp[1] + weights / 2 and temp[2] <= temp[1] + weights / 2, temp
+
+
+class SwigluKernelTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_equals_silu_gate_times_up_in_value_and_gradient(self):
+    # The C++ gated activation over the gate/up product [..., 2F]: F = 37 (lanes of 8 and a
+    # tail), gates up to +-100 (exp(-|g|) never overflows), leading axes kept.
+    assert cpu_kernels.available()
+    rng = np.random.default_rng(3)
+    y = jnp.asarray(rng.standard_normal((2, 5, 74)) * 4, jnp.float32).at[0, 0, :4].set(
+        jnp.asarray([100.0, -100.0, 0.0, -0.0]))
+    ct = jnp.asarray(rng.standard_normal((2, 5, 37)), jnp.float32)
+    reference = lambda y: jax.nn.silu(y[..., :37]) * y[..., 37:]
+    want = jax.value_and_grad(lambda y: jnp.sum(reference(y) * ct))(y)
+    got = self.variant(jax.value_and_grad(lambda y: jnp.sum(cpu_kernels.swiglu(y) * ct)))(y)
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(cpu_kernels.swiglu(y), reference(y), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(got[1])).all()

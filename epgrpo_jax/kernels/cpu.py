@@ -49,8 +49,10 @@ TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
            "epgrpo_panel_matmul": "EpgrpoPanelMatmul",
            "epgrpo_pack_panels": "EpgrpoPackPanels",
            "epgrpo_causal_attention": "EpgrpoCausalAttention",
-           "epgrpo_causal_attention_grad": "EpgrpoCausalAttentionGrad"}  # FFI target: C++ symbol
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cc", "attention.cc"))
+           "epgrpo_causal_attention_grad": "EpgrpoCausalAttentionGrad",
+           "epgrpo_swiglu": "EpgrpoSwiglu",
+           "epgrpo_swiglu_grad": "EpgrpoSwigluGrad"}  # FFI target: C++ symbol
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu.cc", "attention.cc", "mlp.cc"))
 HEADERS = (Path(__file__).with_name("common.h"),)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 
@@ -291,3 +293,29 @@ def _causal_attention_bwd(residuals, dout):
 
 
 causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
+
+
+@jax.custom_vjp
+def swiglu(y: jax.Array) -> jax.Array:
+  """silu(gate) * up in float32 for the gate/up product as one array [..., 2F] (gate first):
+  no half is copied out, and the gradient comes back in the same layout. Call `available()`
+  first."""
+  y_MxF2 = y.astype(jnp.float32).reshape(-1, y.shape[-1])
+  out = jax.ffi.ffi_call("epgrpo_swiglu", jax.ShapeDtypeStruct(
+      (y_MxF2.shape[0], y.shape[-1] // 2), jnp.float32))(y_MxF2)
+  return out.reshape(*y.shape[:-1], y.shape[-1] // 2).astype(y.dtype)
+
+
+def _swiglu_fwd(y):
+  return swiglu(y), y
+
+
+def _swiglu_bwd(y, dh):
+  y_MxF2 = y.astype(jnp.float32).reshape(-1, y.shape[-1])
+  dh_MxF = dh.astype(jnp.float32).reshape(y_MxF2.shape[0], -1)
+  dy = jax.ffi.ffi_call("epgrpo_swiglu_grad", jax.ShapeDtypeStruct(y_MxF2.shape, jnp.float32))(
+      y_MxF2, dh_MxF)
+  return (dy.reshape(y.shape).astype(y.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

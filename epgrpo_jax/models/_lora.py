@@ -304,14 +304,24 @@ class Linear(nnx.Module):
 
 
 def fused(layers: "list[Linear]", x, adapters: bool) -> list[jax.Array]:
-  """`[layer(x, adapters) for layer in layers]` as one matmul over the concatenated kernels
-  when each layer's kernel alone is its output (no adapters, or adapters merged and wanted),
-  or when every layer's unmerged adapters fold into its kernel (`folds_adapters` for the
-  group; with adapters off, the same product by the base kernels); one larger matmul is
-  faster than several small ones. Other layers with unmerged adapters run one by one, with or
-  without them. Either way the policy with zero adapters and the reference pass round
-  identically: their log-prob difference (the progress signal) is then exactly zero, not
-  rounding noise that the bucket z-scores would amplify."""
+  """`[layer(x, adapters) for layer in layers]`, as one product where `fused_product` makes
+  one."""
+  y = fused_product(layers, x, adapters)
+  if y is None:
+    return [layer(x, adapters) for layer in layers]
+  ends = list(itertools.accumulate(layer.kernel.shape[-1] for layer in layers))
+  return jnp.split(y, ends[:-1], axis=-1)
+
+
+def fused_product(layers: "list[Linear]", x, adapters: bool) -> jax.Array | None:
+  """The layers' outputs concatenated, as one matmul over the concatenated kernels, when each
+  layer's kernel alone is its output (no adapters, or adapters merged and wanted), or when
+  every layer's unmerged adapters fold into its kernel (`folds_adapters` for the group; with
+  adapters off, the same product by the base kernels); one larger matmul is faster than
+  several small ones. None where the layers must run one by one (other layers with unmerged
+  adapters, with or without them). Either way the policy with zero adapters and the
+  reference pass round identically: their log-prob difference (the progress signal) is then
+  exactly zero, not rounding noise that the bucket z-scores would amplify."""
   dtype = layers[0].dtype
   product = _PRODUCTS.get().get(tuple(map(id, layers)))
   x = x.astype(dtype)
@@ -321,7 +331,7 @@ def fused(layers: "list[Linear]", x, adapters: bool) -> list[jax.Array]:
            and folds_adapters(dtype, rows, layers[0].kernel.shape[0], n))
   if len(layers) == 1 or not folds and any(
       layer.has_lora and not (layer.merged and adapters) for layer in layers):
-    return [layer(x, adapters) for layer in layers]
+    return None
   kernels = tuple(layer.kernel[...].astype(dtype) for layer in layers)
   if product:
     y = product(x)
@@ -335,8 +345,7 @@ def fused(layers: "list[Linear]", x, adapters: bool) -> list[jax.Array]:
     y = y + jnp.concatenate([
         layer.bias[...].astype(dtype) if layer.bias is not None
         else jnp.zeros(layer.kernel.shape[-1:], dtype) for layer in layers])
-  ends = list(itertools.accumulate(layer.kernel.shape[-1] for layer in layers))
-  return jnp.split(y, ends[:-1], axis=-1)
+  return y
 
 
 def _concatenated(arrays) -> jax.Array:

@@ -24,7 +24,7 @@ from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models._lora import Linear, fused, one_device
+from epgrpo_jax.models._lora import Linear, fused, fused_product, one_device
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
@@ -271,7 +271,12 @@ class MLP(nnx.Module):
     self.down = _linear(cfg, lora, "down", f, d, False, rngs)
 
   def __call__(self, x_BxTxD, adapters: bool):
-    gate, up = fused([self.gate, self.up], x_BxTxD, adapters)
+    gate_up = fused_product([self.gate, self.up], x_BxTxD, adapters)
+    if (gate_up is not None and gate_up.dtype == jnp.float32 and jax.default_backend() == "cpu"
+        and one_device() and cpu_kernels.available()):
+      return self.down(cpu_kernels.swiglu(gate_up), adapters)  # no halves copied out
+    gate, up = (jnp.split(gate_up, 2, axis=-1) if gate_up is not None
+                else [layer(x_BxTxD, adapters) for layer in (self.gate, self.up)])
     return self.down(jax.nn.silu(gate) * up, adapters)
 
 
