@@ -40,14 +40,15 @@ void MatMulRows(int64_t R, const float* a, int64_t lda, const float* b, int64_t 
     MatMul<1, float>(a + r * lda, lda, b, ldb, rows, cols, c + r * ldc, ldc, accumulate);
 }
 
-// t_HxT[h, t] = rows_TxH[t, h] = src[t * stride + h] for t < T, h < H.
-void CopySlots(const float* src, int64_t stride, int64_t T, int64_t H, float* rows_TxH,
-               float* cols_HxT) {
+// rows_TxH[t, h] and cols_HxT[h, t] = src[t * stride + h] for t < T, h < H (either may be
+// empty: not written).
+void CopySlots(const float* src, int64_t stride, int64_t T, int64_t H,
+               std::vector<float>& rows_TxH, std::vector<float>& cols_HxT) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) {
       const float x = src[t * stride + h];
-      rows_TxH[t * H + h] = x;
-      if (cols_HxT) cols_HxT[h * T + t] = x;
+      if (!rows_TxH.empty()) rows_TxH[t * H + h] = x;
+      if (!cols_HxT.empty()) cols_HxT[h * T + t] = x;
     }
 }
 
@@ -64,18 +65,20 @@ void ScatterQueries(const Dims& d, const float* src, int64_t t0, int64_t t1, flo
     std::memcpy(dst + t * d.q_stride(), src + (t - t0) * width, width * sizeof(float));
 }
 
-// One (b, KV head): where its slots may be seen from, and its keys and values.
+// One (b, KV head): where its slots may be seen from, and its keys and values in the
+// layouts a pass reads: the forward keys as columns and values as rows, the backward keys
+// both ways and values as columns (the others stay empty).
 struct Slots {
   const bool* valid;
   const int32_t* segments;
   std::vector<float> k_TxH, kT_HxT, v_TxH, vT_HxT;
 
   Slots(const Dims& d, const bool* valid_b, const int32_t* segments_b, const float* k,
-        const float* v, bool columns_of_v)
-      : valid(valid_b), segments(segments_b), k_TxH(d.T * d.H), kT_HxT(d.T * d.H),
-        v_TxH(d.T * d.H), vT_HxT(columns_of_v ? d.T * d.H : 0) {
-    CopySlots(k, d.kv_stride(), d.T, d.H, k_TxH.data(), kT_HxT.data());
-    CopySlots(v, d.kv_stride(), d.T, d.H, v_TxH.data(), columns_of_v ? vT_HxT.data() : nullptr);
+        const float* v, bool backward)
+      : valid(valid_b), segments(segments_b), k_TxH(backward ? d.T * d.H : 0),
+        kT_HxT(d.T * d.H), v_TxH(backward ? 0 : d.T * d.H), vT_HxT(backward ? d.T * d.H : 0) {
+    CopySlots(k, d.kv_stride(), d.T, d.H, k_TxH, kT_HxT);
+    CopySlots(v, d.kv_stride(), d.T, d.H, v_TxH, vT_HxT);
   }
 
   // visible[s] = 1 where query t sees slot s, else 0, for s < L.
@@ -180,10 +183,26 @@ void AttendGradTask(const Dims& d, const Slots& slots, const float* q, const flo
   }
 }
 
-// Checks the shapes shared by both handlers; fills `d`.
-ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
-                       const ffi::Buffer<ffi::F32>& v, const ffi::Buffer<ffi::PRED>& valid,
-                       const ffi::Buffer<ffi::S32>& segments, Dims& d) {
+// The inputs both handlers take, their shapes checked (`Gather`).
+struct Inputs {
+  Dims d;
+  const float *q, *k, *v;
+  const bool* valid;
+  const int32_t* segments;
+
+  // Offsets of one (b, KV head) in q-shaped, k-shaped and lse-shaped arrays.
+  int64_t QOffset(int64_t b, int64_t kh) const { return (b * d.T * d.K + kh) * d.G * d.H; }
+  int64_t KvOffset(int64_t b, int64_t kh) const { return (b * d.T * d.K + kh) * d.H; }
+  int64_t LseOffset(int64_t b, int64_t kh) const { return (b * d.T * d.K + kh) * d.G; }
+
+  Slots SlotsOf(int64_t b, int64_t kh, bool backward) const {
+    const int64_t o = KvOffset(b, kh);
+    return Slots(d, valid + b * d.T, segments + b * d.T, k + o, v + o, backward);
+  }
+};
+
+ffi::Error Gather(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                  ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments, Inputs& in) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
              ad = valid.dimensions(), sd = segments.dimensions();
   if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || ad.size() != 2 || sd.size() != 2 ||
@@ -194,7 +213,8 @@ ffi::Error CheckShapes(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F3
         "causal attention: expected q [B, T, K, G, Hd], k and v [B, T, K, Hd], valid and "
         "segments [B, T]");
   }
-  d = Dims{qd[0], qd[1], qd[2], qd[3], qd[4]};
+  in = Inputs{Dims{qd[0], qd[1], qd[2], qd[3], qd[4]}, q.typed_data(), k.typed_data(),
+              v.typed_data(), valid.typed_data(), segments.typed_data()};
   return ffi::Error::Success();
 }
 
@@ -202,18 +222,13 @@ ffi::Error CausalAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                                ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  Dims d;
-  if (auto e = CheckShapes(q, k, v, valid, segments, d); e.failure()) return e;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const bool* ap = valid.typed_data();
-  const int32_t* sp = segments.typed_data();
+  Inputs in;
+  if (auto e = Gather(q, k, v, valid, segments, in); e.failure()) return e;
   float *op = out->typed_data(), *lp = lse->typed_data();
-  ParallelChunks(pool, d.B * d.K, [=](int64_t begin, int64_t end) {
+  ParallelChunks(pool, in.d.B * in.d.K, [=](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / d.K, kh = u % d.K, kv = (b * d.T * d.K + kh) * d.H;
-      const int64_t qo = (b * d.T * d.K + kh) * d.G * d.H, lo = (b * d.T * d.K + kh) * d.G;
-      const Slots slots(d, ap + b * d.T, sp + b * d.T, kp + kv, vp + kv, false);
-      AttendTask(d, slots, qp + qo, op + qo, lp + lo);
+      const int64_t b = u / in.d.K, kh = u % in.d.K, qo = in.QOffset(b, kh);
+      AttendTask(in.d, in.SlotsOf(b, kh, false), in.q + qo, op + qo, lp + in.LseOffset(b, kh));
     }
   });
   return ffi::Error::Success();
@@ -225,26 +240,22 @@ ffi::Error CausalAttentionGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::Buffer<ffi::F32> out, ffi::Buffer<ffi::F32> lse,
                                    ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
                                    ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv) {
-  Dims d;
-  if (auto e = CheckShapes(q, k, v, valid, segments, d); e.failure()) return e;
+  Inputs in;
+  if (auto e = Gather(q, k, v, valid, segments, in); e.failure()) return e;
+  const Dims d = in.d;
   if (out.element_count() != q.element_count() || dout.element_count() != q.element_count() ||
       lse.element_count() != d.B * d.T * d.K * d.G) {
     return ffi::Error::InvalidArgument(
         "causal attention grad: out and dout must have q's shape, lse [B, T, K, G]");
   }
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *op = out.typed_data(), *lp = lse.typed_data(), *dop = dout.typed_data();
-  const bool* ap = valid.typed_data();
-  const int32_t* sp = segments.typed_data();
   float *dqp = dq->typed_data(), *dkp = dk->typed_data(), *dvp = dv->typed_data();
   ParallelChunks(pool, d.B * d.K, [=](int64_t begin, int64_t end) {
     std::vector<float> dk_TxH(d.T * d.H), dv_TxH(d.T * d.H);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / d.K, kh = u % d.K, kv = (b * d.T * d.K + kh) * d.H;
-      const int64_t qo = (b * d.T * d.K + kh) * d.G * d.H, lo = (b * d.T * d.K + kh) * d.G;
-      const Slots slots(d, ap + b * d.T, sp + b * d.T, kp + kv, vp + kv, true);
-      AttendGradTask(d, slots, qp + qo, op + qo, lp + lo, dop + qo, dqp + qo, dk_TxH.data(),
-                     dv_TxH.data());
+      const int64_t b = u / d.K, kh = u % d.K, qo = in.QOffset(b, kh), kv = in.KvOffset(b, kh);
+      AttendGradTask(d, in.SlotsOf(b, kh, true), in.q + qo, op + qo, lp + in.LseOffset(b, kh),
+                     dop + qo, dqp + qo, dk_TxH.data(), dv_TxH.data());
       for (int64_t t = 0; t < d.T; ++t) {
         std::memcpy(dkp + kv + t * d.kv_stride(), dk_TxH.data() + t * d.H, d.H * sizeof(float));
         std::memcpy(dvp + kv + t * d.kv_stride(), dv_TxH.data() + t * d.H, d.H * sizeof(float));
@@ -256,28 +267,25 @@ ffi::Error CausalAttentionGradImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
 
 }  // namespace
 
+// q, k, v, valid, segments: the inputs both handlers take.
+#define EPGRPO_ATTENTION_INPUTS(BIND)    \
+  BIND.Ctx<ffi::ThreadPool>()            \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::F32>>()      \
+      .Arg<ffi::Buffer<ffi::PRED>>()     \
+      .Arg<ffi::Buffer<ffi::S32>>()
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoCausalAttention, CausalAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              EPGRPO_ATTENTION_INPUTS(ffi::Ffi::Bind())
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // out
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoCausalAttentionGrad, CausalAttentionGradImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              EPGRPO_ATTENTION_INPUTS(ffi::Ffi::Bind())
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // out
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // dout
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // dq
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // dk
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // dv

@@ -244,11 +244,12 @@ class Packing:
   logits: Callable[..., jax.Array]
 
 
-def _concatenated(weights: Sequence[jax.Array]) -> jax.Array:
+def concatenated(weights: Sequence[jax.Array]) -> jax.Array:
+  """The arrays concatenated over their last axis (one array as it is)."""
   return weights[0] if len(weights) == 1 else jnp.concatenate(weights, axis=-1)
 
 
-AMX_BF16 = Packing(lambda ws: can_pack(_concatenated(ws)), lambda ws: pack_bf16(_concatenated(ws)),
+AMX_BF16 = Packing(lambda ws: can_pack(concatenated(ws)), lambda ws: pack_bf16(concatenated(ws)),
                    packed_matmul, functools.partial(packed_matmul, out_dtype=jnp.float32))
 PANELS_F32 = Packing(can_pack_panels, pack_panels, panel_matmul, panel_matmul)
 

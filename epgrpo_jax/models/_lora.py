@@ -67,6 +67,12 @@ def one_device() -> bool:
   return jax.device_count() == 1 if flag is None else flag
 
 
+def runs_cpu_kernels() -> bool:
+  """Whether the program being traced may call the C++ CPU kernels: on the CPU backend, on a
+  single device (`one_device`), with the kernels built here (`cpu.available()`)."""
+  return jax.default_backend() == "cpu" and one_device() and cpu_kernels.available()
+
+
 def _on_amx(x, w_IxO) -> bool:
   """Whether `_rounded_matmul` multiplies on AMX tiles: bf16 in a single-device program on a
   CPU with AMX-BF16, a `w` the tiles take, and at least `PACKED_MIN_ROWS` rows of x (a decode
@@ -189,7 +195,7 @@ def _as_group(w, a, b):
 
 def _merged_kernels(w, a, b, scale: float):
   """The group's merged kernels concatenated over columns [I, sum O_i]."""
-  return _concatenated([_merged_kernel(*layer, scale) for layer in zip(*_as_group(w, a, b))])
+  return cpu_kernels.concatenated([_merged_kernel(*layer, scale) for layer in zip(*_as_group(w, a, b))])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -212,7 +218,7 @@ def _merged_lora_bwd(scale, res, dy):
   x_NxI, dy_NxO = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
   dx = matmul(dy, _merged_kernels(w, a, b, scale).T)
   rank_ends = list(itertools.accumulate(a_i.shape[1] for a_i in as_))
-  xa_NxR = jnp.split(matmul(x_NxI, _concatenated(as_)), rank_ends[:-1], axis=-1)
+  xa_NxR = jnp.split(matmul(x_NxI, cpu_kernels.concatenated(as_)), rank_ends[:-1], axis=-1)
   ends = list(itertools.accumulate(w_i.shape[1] for w_i in ws))
   dy_NxO = jnp.split(dy_NxO, ends[:-1], axis=-1) if len(ws) > 1 else [dy_NxO]
   dw, da, db = [], [], []
@@ -340,16 +346,12 @@ def fused_product(layers: "list[Linear]", x, adapters: bool) -> jax.Array | None
                     tuple(layer.lora_b[...].astype(dtype) for layer in layers),
                     layers[0].lora_scale)
   else:
-    y = matmul(x, _concatenated(kernels))
+    y = matmul(x, cpu_kernels.concatenated(kernels))
   if any(layer.bias is not None for layer in layers):
     y = y + jnp.concatenate([
         layer.bias[...].astype(dtype) if layer.bias is not None
         else jnp.zeros(layer.kernel.shape[-1:], dtype) for layer in layers])
   return y
-
-
-def _concatenated(arrays) -> jax.Array:
-  return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
 
 
 def lora_layers(model: nnx.Module):

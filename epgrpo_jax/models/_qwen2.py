@@ -24,7 +24,7 @@ from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models._lora import Linear, fused, fused_product, one_device
+from epgrpo_jax.models._lora import Linear, fused, fused_product, runs_cpu_kernels
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
@@ -233,8 +233,7 @@ class Attention(nnx.Module):
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     q, k = rotate(q, *angles), rotate(k, *angles)
     groups = cfg.num_heads // cfg.num_kv_heads
-    if (write_index is None and attention[0] == "cpu" and jax.default_backend() == "cpu"
-        and one_device() and cpu_kernels.available()):
+    if write_index is None and attention[0] == "cpu" and runs_cpu_kernels():
       segments = jnp.zeros(valid_BxS.shape, jnp.int32) if segments_BxS is None else segments_BxS
       out = cpu_kernels.causal_attention(
           q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim), k, v, valid_BxS, segments)
@@ -272,8 +271,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD, adapters: bool):
     gate_up = fused_product([self.gate, self.up], x_BxTxD, adapters)
-    if (gate_up is not None and gate_up.dtype == jnp.float32 and jax.default_backend() == "cpu"
-        and one_device() and cpu_kernels.available()):
+    if gate_up is not None and gate_up.dtype == jnp.float32 and runs_cpu_kernels():
       return self.down(cpu_kernels.swiglu(gate_up), adapters)  # no halves copied out
     gate, up = (jnp.split(gate_up, 2, axis=-1) if gate_up is not None
                 else [layer(x_BxTxD, adapters) for layer in (self.gate, self.up)])
