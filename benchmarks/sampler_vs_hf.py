@@ -56,6 +56,8 @@ def parse_args():
                   "--prompts x --samples")
   ap.add_argument("--decode-segments", type=int, default=None,
                   help="sampling.decode_segments (default: the config default)")
+  ap.add_argument("--no-packed-weights", action="store_true",
+                  help="sampling.packed_weights=false: XLA's dots instead of the packed C++ products")
   ap.add_argument("--peak-tflops", type=float, default=0.0, help="prints MFU when set")
   args = ap.parse_args()
   args.dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
@@ -139,11 +141,14 @@ def main():
                             max_new_tokens=args.new_tokens)
   if args.decode_segments:
     sampling = sampling.replace(decode_segments=args.decode_segments)
+  if args.no_packed_weights:
+    sampling = sampling.replace(packed_weights=False)
   rng = np.random.default_rng(0)
   print(f"{args.model or args.preset + ' Qwen2'}: {args.prompt_len}-token prompts, {args.new_tokens} "
         f"new tokens, T={args.temperature}, top-p={args.top_p}; {C.machine_line()}; jax "
         f"{jax.__version__} on {jax.devices()[0].device_kind}, torch {torch.__version__} on "
-        f"{device} with {args.torch_threads} threads; decode_segments={sampling.decode_segments}; "
+        f"{device} with {args.torch_threads} threads; decode_segments={sampling.decode_segments}, "
+        f"packed_weights={sampling.packed_weights}; "
         f"median of {args.runs} alternating runs", flush=True)
 
   def measured(fn):

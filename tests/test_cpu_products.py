@@ -1,5 +1,5 @@
-"""The sampler's products by weights packed once on the CPU: bf16 on AMX tiles, float32 on
-AVX-512 panels (`kernels.cpu`), against XLA's products and a sampler without them."""
+"""The sampler's products by weights packed once on the CPU: bf16 on AMX tiles or with
+AVX512-BF16 dot products, float32 on AVX-512 panels (`kernels.cpu`), against XLA's products and a sampler without them."""
 
 import dataclasses
 import functools
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from flax import nnx
 
 from epgrpo_jax.kernels import cpu as cpu_kernels
@@ -37,7 +38,7 @@ def program_text(sampler: Sampler) -> str:
 
 
 # ---------------------------------------------------------------------------
-# bf16 on AMX tiles.
+# bf16 on AMX tiles or AVX512-BF16.
 
 
 def test_pack_bf16_lays_out_pairs_of_rows_per_tile():
@@ -51,49 +52,74 @@ def test_pack_bf16_lays_out_pairs_of_rows_per_tile():
   assert not cpu_kernels.can_pack(w[:48])
 
 
-def amx_or_skip():
-  if not cpu_kernels.amx_available():
+def bf16_unit_or_skip(unit: str):
+  if unit == "amx" and not cpu_kernels.amx_available():
     pytest.skip("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
+  if unit == "avx512" and not cpu_kernels.pairs_available():
+    pytest.skip("the CPU kernels are not built for AVX512-BF16 here")
 
 
 class TestCpuPackedMatmul(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_equals_the_bf16_product_with_float32_accumulation(self):
-    amx_or_skip()
+  @parameterized.parameters("amx", "avx512")
+  def test_equals_the_bf16_product_with_float32_accumulation(self, unit):
+    bf16_unit_or_skip(unit)
     rng = np.random.default_rng(3)
-    # rows: 3 x 16 (a lone block of 16 after a pair) and 2 x 5 (padded); 48 columns = 3
+    # rows: 3 x 16 (a lone block of 16 after a pair; for AVX512-BF16, 6 blocks of 8) and
+    # 2 x 5 (padded for AMX; a block of 8 and a tail of 2 for AVX512-BF16); 48 columns = 3
     # blocks of 16 (a lone block after a pair); K = 96, three tiles deep.
     for lead in ((48,), (2, 5)):
       x = jnp.asarray(rng.standard_normal((*lead, 96)), jnp.bfloat16)
       w = jnp.asarray(rng.standard_normal((96, 48)), jnp.bfloat16)
       packed = cpu_kernels.pack_bf16(w)
       want = jnp.matmul(x, w, preferred_element_type=jnp.float32)
-      got = self.variant(functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32))(
-          x, packed)
+      got = self.variant(functools.partial(cpu_kernels.packed_matmul, out_dtype=jnp.float32,
+                                           unit=unit))(x, packed)
       assert got.shape == (*lead, 48) and got.dtype == jnp.float32
       chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-5)
-      rounded = self.variant(cpu_kernels.packed_matmul)(x, packed)
+      rounded = self.variant(functools.partial(cpu_kernels.packed_matmul, unit=unit))(x, packed)
       assert rounded.dtype == jnp.bfloat16
       np.testing.assert_array_equal(np.asarray(rounded), np.asarray(got.astype(jnp.bfloat16)))
 
+  def test_many_rows_split_across_tasks(self):
+    # 300 rows: AVX512-BF16's many-row path (38 blocks of 8, the last of 4, split by rows).
+    bf16_unit_or_skip("avx512")
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((300, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 80)), jnp.bfloat16)
+    got = cpu_kernels.packed_matmul(x, cpu_kernels.pack_bf16(w), jnp.float32, unit="avx512")
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
-def test_bf16_sampler_runs_its_projections_on_amx_like_xla(monkeypatch):
-  amx_or_skip()
-  m = policy_with_adapters("bfloat16", vocab_size=112)  # a head AMX takes (97: no multiple of 16)
+  def test_unknown_unit_is_refused(self):
+    with pytest.raises(ValueError, match="unit"):
+      cpu_kernels.packed_matmul(jnp.zeros((2, 32), jnp.bfloat16), jnp.zeros((1, 1, 16, 32)),
+                                unit="avx2")
+
+
+@pytest.mark.parametrize("unit, target", [("amx", "epgrpo_packed_matmul"),
+                                          ("avx512", "epgrpo_pair_matmul")])
+def test_bf16_sampler_runs_its_projections_packed_like_xla(monkeypatch, unit, target):
+  bf16_unit_or_skip(unit)
+  if unit == "avx512":
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)  # AMX comes first
+  m = policy_with_adapters("bfloat16", vocab_size=112)  # a head they take (97: no multiple of 16)
   config = SamplingConfig(greedy=True, max_new_tokens=16, **BUCKETS)
-  with_amx = Sampler(config)
-  got = with_amx.sample(m, PROMPTS, 2, jax.random.key(0))
-  text = program_text(with_amx)
-  assert text.count('custom_call_target="epgrpo_packed_matmul"') >= 4 * m.cfg.num_layers
-  assert 'custom_call_target="epgrpo_packed_matmul_f32"' in text  # the head
+  packed = Sampler(config)
+  got = packed.sample(m, PROMPTS, 2, jax.random.key(0))
+  text = program_text(packed)
+  assert text.count(f'custom_call_target="{target}"') >= 4 * m.cfg.num_layers
+  assert f'custom_call_target="{target}_f32"' in text  # the head
   with_xla = Sampler(config.replace(packed_weights=False))
   want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
-  assert "epgrpo_packed_matmul" not in program_text(with_xla)
-  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)  # a CPU without AMX
+  assert target not in program_text(with_xla)
+  monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)  # a CPU with neither
+  monkeypatch.setattr(cpu_kernels, "pairs_available", lambda: False)
   without = Sampler(config)
   without.sample(m, PROMPTS, 2, jax.random.key(0))
   assert "epgrpo_packed_matmul" not in program_text(without)
+  assert "epgrpo_pair_matmul" not in program_text(without)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-6)
 

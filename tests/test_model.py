@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl.testing import parameterized
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
@@ -740,9 +741,13 @@ class RoundedMatmulTest(chex.TestCase):
       assert re.search(r"\(tensor<[\dx]+xbf16>, tensor<[\dx]+xbf16>\) -> tensor<[\dx]+xf32>",
                        line), line
 
-  def test_on_amx_the_products_equal_xla_ones(self):
-    if jax.default_backend() != "cpu" or not cpu_kernels.amx_available():
-      self.skipTest("this CPU has no AMX-BF16 tiles (or Linux does not grant them)")
+  @parameterized.parameters(("amx", "epgrpo_packed_matmul"), ("avx512", "epgrpo_pair_matmul"))
+  def test_packed_products_equal_xla_ones(self, unit, target):
+    ready = {"amx": cpu_kernels.amx_available, "avx512": cpu_kernels.pairs_available}[unit]
+    if jax.default_backend() != "cpu" or not ready():
+      self.skipTest(f"the C++ bf16 products cannot run on {unit} here")
+    if unit == "avx512":  # AMX would come first
+      self.enter_context(mock.patch.object(cpu_kernels, "amx_available", lambda: False))
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((4, 64, 64)), jnp.bfloat16)  # 256 rows
     w = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)  # and its transpose: tiles fit
@@ -754,12 +759,13 @@ class RoundedMatmulTest(chex.TestCase):
     with one_device_program(True):  # the suite fakes 8 CPU devices; this runs on one
       fn = value_and_grads()
       text, got = fn.lower(x, w).as_text(), fn(x, w)
-    assert text.count('@epgrpo_packed_matmul(') == 2, text  # forward and input gradient
+    assert text.count(f'@{target}(') == 2, text  # forward and input gradient
     with one_device_program(False):
-      assert "epgrpo_packed_matmul" not in value_and_grads().lower(x, w).as_text()
+      assert target not in value_and_grads().lower(x, w).as_text()
     with one_device_program(True):  # fewer rows than PACKED_MIN_ROWS: XLA's dot
-      assert "epgrpo_packed_matmul" not in jax.jit(lambda x, w: matmul(x, w)).lower(x[:3], w).as_text()
-    with mock.patch.object(cpu_kernels, "amx_available", lambda: False):
+      assert target not in jax.jit(lambda x, w: matmul(x, w)).lower(x[:3], w).as_text()
+    with (mock.patch.object(cpu_kernels, "amx_available", lambda: False),
+          mock.patch.object(cpu_kernels, "pairs_available", lambda: False)):
       want = value_and_grads()(x, w)  # XLA's dots
     chex.assert_trees_all_close(jax.tree.map(lambda v: v.astype(jnp.float32), got),
                                 jax.tree.map(lambda v: v.astype(jnp.float32), want),

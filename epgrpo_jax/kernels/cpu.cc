@@ -2,7 +2,8 @@
 // the top-k / top-p thresholds (EpgrpoLargestThreshold) and the whole top-p draw
 // (EpgrpoNucleusDraw); for the sampler and bf16
 // training, a bf16 matmul on AMX tiles (EpgrpoPackedMatmul); for the float32 sampler, a
-// float32 matmul on AVX-512 (EpgrpoPanelMatmul). The matmuls are at the end of this file.
+// float32 matmul on AVX-512 (EpgrpoPanelMatmul); for the bf16 sampler without AMX, a bf16
+// matmul on AVX512-BF16 (EpgrpoPairMatmul). The matmuls are at the end of this file.
 //
 // Decode attention: one query token per row over a KV cache.
 // Inputs: q [B, K, G, Hd] float32, keys [B, K, Hd, S] and values [B, K, S, Hd] both float32
@@ -20,6 +21,7 @@
 // bandwidth of two.
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -33,6 +35,15 @@
 #endif
 
 namespace {
+
+#if defined(__AVX512BF16__)
+// 16 float32 sums of a matmul stored as they are, or rounded once to bf16 (nearest even).
+inline void Put(float* out, __m512 c) { _mm512_storeu_ps(out, c); }
+inline void Put(uint16_t* out, __m512 c) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(c)));
+}
+#endif
 
 struct Shape {
   int64_t rows, kv_heads, groups, head_dim, slots, limit;
@@ -400,12 +411,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-inline void Put(float* out, const float* c) { std::memcpy(out, c, 16 * sizeof(float)); }
-inline void Put(uint16_t* out, const float* c) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(c))));
-}
-
 // out[m0 : m0 + 16 * mt, 16 * n0 : 16 * (n0 + nt)] for mt, nt in {1, 2}. Tiles 0-3 hold
 // the (row block, column block) sums, 4-5 the row blocks of x, 6-7 the weight blocks.
 template <typename Out>
@@ -440,7 +445,7 @@ void PackedBlock(const uint16_t* x, const uint16_t* w, int64_t K, int64_t N, int
   for (int i = 0; i < mt; ++i)
     for (int j = 0; j < nt; ++j)
       for (int r = 0; r < 16; ++r)
-        Put(out + (m0 + 16 * i + r) * N + 16 * (n0 + j), sums[2 * i + j] + 16 * r);
+        Put(out + (m0 + 16 * i + r) * N + 16 * (n0 + j), _mm512_loadu_ps(sums[2 * i + j] + 16 * r));
 }
 
 template <ffi::DataType OUT>
@@ -516,45 +521,68 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer
 
 #if defined(__AVX512F__)
 
-template <int R>
-inline void PanelBlock(const float* x, const float* panel, int64_t K, float* out, int64_t N) {
-  __m512 lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(panel + 32 * k), b1 = _mm512_loadu_ps(panel + 32 * k + 16);
-    for (int i = 0; i < R; ++i) {
-      const __m512 a = _mm512_set1_ps(x[i * K + k]);
-      lo[i] = _mm512_fmadd_ps(a, b0, lo[i]);
-      hi[i] = _mm512_fmadd_ps(a, b1, hi[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(out + i * N, lo[i]);
-    _mm512_storeu_ps(out + i * N + 16, hi[i]);
-  }
-}
-
-// Rows [m0, m1) times panels [p0, p1).
-void PanelRows(const float* x, const float* w, int64_t K, int64_t N, int64_t m0, int64_t m1,
-               int64_t p0, int64_t p1, float* out) {
+// Rows [m0, m1) times panels [p0, p1), in blocks of up to 8 rows: `block.Run<R>(m, p)`
+// computes rows [m, m + R) times panel p.
+template <class Block>
+void SweepPanels(const Block& block, int64_t m0, int64_t m1, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * K * 32;
     int64_t m = m0;
-    for (; m + 8 <= m1; m += 8) PanelBlock<8>(x + m * K, panel, K, out + m * N + 32 * p, N);
-    const float* xr = x + m * K;
-    float* o = out + m * N + 32 * p;
+    for (; m + 8 <= m1; m += 8) block.template Run<8>(m, p);
     switch (m1 - m) {
-      case 7: PanelBlock<7>(xr, panel, K, o, N); break;
-      case 6: PanelBlock<6>(xr, panel, K, o, N); break;
-      case 5: PanelBlock<5>(xr, panel, K, o, N); break;
-      case 4: PanelBlock<4>(xr, panel, K, o, N); break;
-      case 3: PanelBlock<3>(xr, panel, K, o, N); break;
-      case 2: PanelBlock<2>(xr, panel, K, o, N); break;
-      case 1: PanelBlock<1>(xr, panel, K, o, N); break;
+      case 7: block.template Run<7>(m, p); break;
+      case 6: block.template Run<6>(m, p); break;
+      case 5: block.template Run<5>(m, p); break;
+      case 4: block.template Run<4>(m, p); break;
+      case 3: block.template Run<3>(m, p); break;
+      case 2: block.template Run<2>(m, p); break;
+      case 1: block.template Run<1>(m, p); break;
       default: break;
     }
   }
 }
+
+// Few rows (decoding): tasks split the panels, each read from memory once. Many rows: tasks
+// split the rows in blocks of 8 and sweep spans of panels that fit in 512 KiB.
+template <class Block>
+void SharePanels(ffi::ThreadPool& pool, int64_t M, int64_t panels, int64_t panel_bytes,
+                 Block block) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), row_blocks = (M + 7) / 8;
+  if (row_blocks >= 16 * threads) {
+    const int64_t span = std::max<int64_t>(1, (int64_t{1} << 19) / std::max<int64_t>(1, panel_bytes));
+    ParallelChunks(pool, row_blocks, [=](int64_t r0, int64_t r1) {
+      for (int64_t p = 0; p < panels; p += span)
+        SweepPanels(block, 8 * r0, std::min(M, 8 * r1), p, std::min(panels, p + span));
+    });
+  } else {
+    ParallelChunks(pool, panels, [=](int64_t p0, int64_t p1) { SweepPanels(block, 0, M, p0, p1); });
+  }
+}
+
+struct PanelBlock {
+  const float *x, *w;
+  int64_t K, N;
+  float* out;
+
+  template <int R>
+  void Run(int64_t m, int64_t p) const {
+    const float *panel = w + p * K * 32, *xr = x + m * K;
+    __m512 lo[R], hi[R];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 b0 = _mm512_loadu_ps(panel + 32 * k), b1 = _mm512_loadu_ps(panel + 32 * k + 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512 a = _mm512_set1_ps(xr[i * K + k]);
+        lo[i] = _mm512_fmadd_ps(a, b0, lo[i]);
+        hi[i] = _mm512_fmadd_ps(a, b1, hi[i]);
+      }
+    }
+    float* o = out + m * N + 32 * p;
+    for (int i = 0; i < R; ++i) {
+      _mm512_storeu_ps(o + i * N, lo[i]);
+      _mm512_storeu_ps(o + i * N + 16, hi[i]);
+    }
+  }
+};
 
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
@@ -565,21 +593,8 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "panel matmul: expected x [M, K], w [N/32, K, 32], out [M, N]");
   }
   const int64_t M = xd[0], K = xd[1], panels = wd[0], N = 32 * panels;
-  const float *xp = x.typed_data(), *wp = w.typed_data();
-  float* op = out->typed_data();
-  // Few rows (decoding): tasks split the panels, each read from memory once. Many rows:
-  // tasks split the rows in blocks of 8 and sweep spans of panels that fit in 512 KiB.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), row_blocks = (M + 7) / 8;
-  if (row_blocks >= 16 * threads) {
-    const int64_t span = std::max<int64_t>(1, (int64_t{1} << 19) / (K * 128));
-    ParallelChunks(pool, row_blocks, [=](int64_t r0, int64_t r1) {
-      for (int64_t p = 0; p < panels; p += span)
-        PanelRows(xp, wp, K, N, 8 * r0, std::min(M, 8 * r1), p, std::min(panels, p + span), op);
-    });
-  } else {
-    ParallelChunks(pool, panels,
-                   [=](int64_t p0, int64_t p1) { PanelRows(xp, wp, K, N, 0, M, p0, p1, op); });
-  }
+  SharePanels(pool, M, panels, K * 128, PanelBlock{x.typed_data(), w.typed_data(), K, N,
+                                                   out->typed_data()});
   return ffi::Error::Success();
 }
 
@@ -640,6 +655,82 @@ ffi::Error PackPanelsImpl(ffi::ThreadPool, ffi::RemainingArgs, ffi::ResultBuffer
 
 #endif
 
+// ---------------------------------------------------------------------------------------
+// bf16 matmul on AVX512-BF16 (EpgrpoPairMatmul, bf16 output, and EpgrpoPairMatmulF32), for
+// CPUs without AMX: the operands of EpgrpoPackedMatmul (x [M, K] bf16, a weight packed by
+// `cpu.pack_bf16`), any M. In that layout a block of 16 columns holds, for each pair of
+// rows (2j, 2j + 1), the 16 columns' pairs in 64 contiguous bytes: one operand of
+// vdpbf16ps, which adds x[2j] w[2j] + x[2j + 1] w[2j + 1] to 16 float32 sums. Blocks of 8
+// rows x 32 columns (two column blocks, a panel) live in 16 vector registers; output kept
+// or rounded once to bf16. Rows and panels are shared out as in EpgrpoPanelMatmul.
+
+#if defined(__AVX512BF16__)
+
+template <typename Out>
+struct PairBlock {
+  const uint16_t *x, *w;
+  int64_t K, N, blocks;
+  Out* out;
+
+  template <int R>
+  void Run(int64_t m, int64_t p) const {
+    if (2 * p + 1 < blocks) {
+      Columns<R, 2>(m, p);
+    } else {
+      Columns<R, 1>(m, p);
+    }
+  }
+
+  // Rows [m, m + R) times column blocks 2p .. 2p + C - 1 (block n at n K 16 in w).
+  template <int R, int C>
+  void Columns(int64_t m, int64_t p) const {
+    const uint16_t *b = w + 2 * p * K * 16, *xr = x + m * K;
+    __m512 acc[R][C];
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / 2; ++j) {
+      __m512bh bj[C];
+      for (int c = 0; c < C; ++c)
+        bj[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + c * K * 16 + 32 * j));
+      for (int i = 0; i < R; ++i) {
+        uint32_t pair;  // x[m + i, 2j] and x[m + i, 2j + 1]
+        std::memcpy(&pair, xr + i * K + 2 * j, sizeof pair);
+        const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, bj[c]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < C; ++c) Put(out + (m + i) * N + 16 * (2 * p + c), acc[i][c]);
+  }
+};
+
+template <ffi::DataType OUT>
+ffi::Error PairMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                          ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<OUT> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || wd[2] != 16 || wd[3] != 32 ||
+      xd[1] != 32 * wd[1] || od[0] != xd[0] || od[1] != 16 * wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "pair matmul: expected x [M, K], w [N/16, K/32, 16, 32], out [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], blocks = wd[0];
+  auto* op = out->typed_data();
+  using Out = std::remove_pointer_t<decltype(op)>;
+  SharePanels(pool, M, (blocks + 1) / 2, K * 64,
+              PairBlock<Out>{x.typed_data(), w.typed_data(), K, 16 * blocks, blocks, op});
+  return ffi::Error::Success();
+}
+
+#else  // no AVX512-BF16: the handlers exist and refuse
+
+template <ffi::DataType OUT>
+ffi::Error PairMatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
+                          ffi::ResultBuffer<OUT>) {
+  return ffi::Error::Internal("pair matmul: built without AVX512-BF16 (see cpu.pairs_available)");
+}
+
+#endif
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoLargestThreshold, LargestThresholdImpl,
@@ -687,6 +778,8 @@ EPGRPO_DECODE_ATTENTION(EpgrpoDecodeAttentionBf16, ffi::BF16)
 
 EPGRPO_MATMUL(EpgrpoPackedMatmul, PackedMatmulImpl<ffi::BF16>, ffi::BF16, ffi::BF16)
 EPGRPO_MATMUL(EpgrpoPackedMatmulF32, PackedMatmulImpl<ffi::F32>, ffi::BF16, ffi::F32)
+EPGRPO_MATMUL(EpgrpoPairMatmul, PairMatmulImpl<ffi::BF16>, ffi::BF16, ffi::BF16)
+EPGRPO_MATMUL(EpgrpoPairMatmulF32, PairMatmulImpl<ffi::F32>, ffi::BF16, ffi::F32)
 EPGRPO_MATMUL(EpgrpoPanelMatmul, PanelMatmulImpl, ffi::F32, ffi::F32)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoPackPanels, PackPanelsImpl,
@@ -698,6 +791,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EpgrpoPackPanels, PackPanelsImpl,
 // 1 if the panel matmul can run here (built with AVX-512).
 extern "C" int EpgrpoPanelsReady() {
 #if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 if the pair matmul can run here (built with AVX512-BF16).
+extern "C" int EpgrpoPairsReady() {
+#if defined(__AVX512BF16__)
   return 1;
 #else
   return 0;

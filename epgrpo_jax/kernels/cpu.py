@@ -9,9 +9,11 @@ bisection of `strategies.largest_threshold`, one vectorised sweep of a row per
 step instead of a dozen single-threaded XLA loop iterations over the batch.
 `packed_matmul`: a bf16 matmul on the CPU's AMX tiles by a weight packed once
 (`pack_bf16`); at decode shapes XLA's dots reread each weight from memory far
-below bandwidth (`amx_available()` says whether it runs here). `panel_matmul`: a
-float32 matmul on AVX-512 by a weight packed once into panels of 32 columns
-(`pack_panels`), for the same reason (`panels_available()`).
+below bandwidth (`amx_available()` says whether it runs here); on a CPU without
+AMX the same packed weight is multiplied with AVX512-BF16 dot products
+(`unit="avx512"`, `pairs_available()`). `panel_matmul`: a float32 matmul on
+AVX-512 by a weight packed once into panels of 32 columns (`pack_panels`), for
+the same reason (`panels_available()`).
 `cpu.cc` is compiled with the system's C++
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
 `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
@@ -46,6 +48,8 @@ TARGETS = {"epgrpo_decode_attention": "EpgrpoDecodeAttention",
            "epgrpo_nucleus_draw": "EpgrpoNucleusDraw",
            "epgrpo_packed_matmul": "EpgrpoPackedMatmul",
            "epgrpo_packed_matmul_f32": "EpgrpoPackedMatmulF32",
+           "epgrpo_pair_matmul": "EpgrpoPairMatmul",
+           "epgrpo_pair_matmul_f32": "EpgrpoPairMatmulF32",
            "epgrpo_panel_matmul": "EpgrpoPanelMatmul",
            "epgrpo_pack_panels": "EpgrpoPackPanels",
            "epgrpo_causal_attention": "EpgrpoCausalAttention",
@@ -121,6 +125,13 @@ def amx_available() -> bool:
 
 
 @functools.cache
+def pairs_available() -> bool:
+  """Whether `packed_matmul(..., unit="avx512")` runs here: the kernels are built for a CPU
+  with AVX512-BF16."""
+  return available() and bool(ctypes.cdll.LoadLibrary(str(build())).EpgrpoPairsReady())
+
+
+@functools.cache
 def panels_available() -> bool:
   """Whether `panel_matmul` runs here: the kernels are built for a CPU with AVX-512."""
   return available() and bool(ctypes.cdll.LoadLibrary(str(build())).EpgrpoPanelsReady())
@@ -181,20 +192,25 @@ def pack_bf16(w_KxN: jax.Array) -> jax.Array:
   return w.transpose(3, 0, 1, 4, 2).reshape(n // 16, k // 32, 16, 32)
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
-  """x @ w for w packed by `pack_bf16`, over x's last axis, on AMX tiles: x rounded to bf16,
-  float32 accumulation, the result in `out_dtype` (bfloat16: rounded once, or float32).
-  Call `amx_available()` first."""
+def packed_matmul(x: jax.Array, packed: jax.Array, out_dtype=jnp.bfloat16, *,
+                  unit: str = "amx") -> jax.Array:
+  """x @ w for w packed by `pack_bf16`, over x's last axis: x rounded to bf16, float32
+  accumulation, the result in `out_dtype` (bfloat16: rounded once, or float32). `unit`
+  "amx" multiplies on AMX tiles (call `amx_available()` first), "avx512" with AVX512-BF16
+  dot products of pairs (`pairs_available()`)."""
   if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
     raise ValueError(f"packed_matmul: out_dtype must be bfloat16 or float32, got {out_dtype}")
+  if unit not in ("amx", "avx512"):
+    raise ValueError(f"packed_matmul: unit must be 'amx' or 'avx512', got {unit!r}")
   blocks = packed.shape[0]
   lead, k = x.shape[:-1], x.shape[-1]
   x_MxK = x.astype(jnp.bfloat16).reshape(-1, k)
   m = x_MxK.shape[0]
-  pad = -m % 16
+  pad = -m % 16 if unit == "amx" else 0  # AMX takes rows in blocks of 16
   if pad:
     x_MxK = jnp.pad(x_MxK, ((0, pad), (0, 0)))
-  target = "epgrpo_packed_matmul_f32" if jnp.dtype(out_dtype) == jnp.float32 else "epgrpo_packed_matmul"
+  target = ("epgrpo_packed_matmul" if unit == "amx" else "epgrpo_pair_matmul") + (
+      "_f32" if jnp.dtype(out_dtype) == jnp.float32 else "")
   out = jax.ShapeDtypeStruct((m + pad, 16 * blocks), jnp.dtype(out_dtype))
   y = jax.ffi.ffi_call(target, out)(x_MxK, packed.astype(jnp.bfloat16))
   return y[:m].reshape(*lead, 16 * blocks)
@@ -249,18 +265,26 @@ def concatenated(weights: Sequence[jax.Array]) -> jax.Array:
   return weights[0] if len(weights) == 1 else jnp.concatenate(weights, axis=-1)
 
 
-AMX_BF16 = Packing(lambda ws: can_pack(concatenated(ws)), lambda ws: pack_bf16(concatenated(ws)),
-                   packed_matmul, functools.partial(packed_matmul, out_dtype=jnp.float32))
+def _bf16_packing(unit: str) -> Packing:
+  return Packing(lambda ws: can_pack(concatenated(ws)), lambda ws: pack_bf16(concatenated(ws)),
+                 functools.partial(packed_matmul, unit=unit),
+                 functools.partial(packed_matmul, out_dtype=jnp.float32, unit=unit))
+
+
+AMX_BF16 = _bf16_packing("amx")
+AVX512_BF16 = _bf16_packing("avx512")
 PANELS_F32 = Packing(can_pack_panels, pack_panels, panel_matmul, panel_matmul)
 
 
 def packing_for(dtype) -> Packing | None:
   """The packed products that run here for a model computing in `dtype`: AMX tiles for
-  bfloat16 (`amx_available()`), AVX-512 panels for float32 (`panels_available()`); None
-  where neither applies."""
+  bfloat16 (`amx_available()`), else AVX512-BF16 dot products (`pairs_available()`);
+  AVX-512 panels for float32 (`panels_available()`); None where none applies."""
   dtype = jnp.dtype(dtype)
   if dtype == jnp.bfloat16 and amx_available():
     return AMX_BF16
+  if dtype == jnp.bfloat16 and pairs_available():
+    return AVX512_BF16
   if dtype == jnp.float32 and panels_available():
     return PANELS_F32
   return None
