@@ -131,6 +131,14 @@ def pairs_available() -> bool:
   return available() and bool(ctypes.cdll.LoadLibrary(str(build())).EpgrpoPairsReady())
 
 
+def bf16_unit() -> str | None:
+  """Where `packed_matmul` runs here: "amx" (`amx_available()`), else "avx512"
+  (`pairs_available()`); None where neither can."""
+  if amx_available():
+    return "amx"
+  return "avx512" if pairs_available() else None
+
+
 @functools.cache
 def panels_available() -> bool:
   """Whether `panel_matmul` runs here: the kernels are built for a CPU with AVX-512."""
@@ -277,14 +285,12 @@ PANELS_F32 = Packing(can_pack_panels, pack_panels, panel_matmul, panel_matmul)
 
 
 def packing_for(dtype) -> Packing | None:
-  """The packed products that run here for a model computing in `dtype`: AMX tiles for
-  bfloat16 (`amx_available()`), else AVX512-BF16 dot products (`pairs_available()`);
-  AVX-512 panels for float32 (`panels_available()`); None where none applies."""
+  """The packed products that run here for a model computing in `dtype`: for bfloat16 on
+  AMX tiles or AVX512-BF16 dot products (`bf16_unit()`), for float32 on AVX-512 panels
+  (`panels_available()`); None where none applies."""
   dtype = jnp.dtype(dtype)
-  if dtype == jnp.bfloat16 and amx_available():
-    return AMX_BF16
-  if dtype == jnp.bfloat16 and pairs_available():
-    return AVX512_BF16
+  if dtype == jnp.bfloat16 and bf16_unit():
+    return AMX_BF16 if bf16_unit() == "amx" else AVX512_BF16
   if dtype == jnp.float32 and panels_available():
     return PANELS_F32
   return None

@@ -74,18 +74,15 @@ def runs_cpu_kernels() -> bool:
 
 
 def _bf16_unit(x, w_IxO) -> str | None:
-  """Where `_rounded_matmul` multiplies: "amx" (AMX tiles) or "avx512" (AVX512-BF16 pairs,
-  `cpu.packed_matmul`'s units) for bf16 in a single-device program on a CPU with them, a `w`
-  they take, and at least `PACKED_MIN_ROWS` rows of x (a decode step's product, or an adapter
-  gradient's over rank-many rows, stays XLA's); None: XLA's dot. At the bf16 update's shapes
-  (10,176 rows) the pairs, packing included, ran at 406-434 GFLOP/s where XLA's dots ran at
-  144-377."""
-  if not (one_device() and x.dtype == w_IxO.dtype == jnp.bfloat16 and cpu_kernels.can_pack(w_IxO)
-          and math.prod(x.shape[:-1]) >= PACKED_MIN_ROWS):
-    return None
-  if cpu_kernels.amx_available():
-    return "amx"
-  return "avx512" if cpu_kernels.pairs_available() else None
+  """Where `_rounded_matmul` multiplies: `cpu.bf16_unit()` (AMX tiles or AVX512-BF16 pairs)
+  for bf16 in a single-device program on a CPU with one of them, a `w` they take, and at
+  least `PACKED_MIN_ROWS` rows of x (a decode step's product, or an adapter gradient's over
+  rank-many rows, stays XLA's); None: XLA's dot. At the bf16 update's shapes (10,176 rows)
+  the pairs, packing included, ran at 406-434 GFLOP/s where XLA's dots ran at 144-377."""
+  if (one_device() and x.dtype == w_IxO.dtype == jnp.bfloat16 and cpu_kernels.can_pack(w_IxO)
+      and math.prod(x.shape[:-1]) >= PACKED_MIN_ROWS):
+    return cpu_kernels.bf16_unit()
+  return None
 
 
 @jax.custom_vjp
