@@ -279,8 +279,7 @@ def _bf16_packing(unit: str) -> Packing:
                  functools.partial(packed_matmul, out_dtype=jnp.float32, unit=unit))
 
 
-AMX_BF16 = _bf16_packing("amx")
-AVX512_BF16 = _bf16_packing("avx512")
+BF16_PACKINGS = {unit: _bf16_packing(unit) for unit in ("amx", "avx512")}
 PANELS_F32 = Packing(can_pack_panels, pack_panels, panel_matmul, panel_matmul)
 
 
@@ -289,8 +288,8 @@ def packing_for(dtype) -> Packing | None:
   AMX tiles or AVX512-BF16 dot products (`bf16_unit()`), for float32 on AVX-512 panels
   (`panels_available()`); None where none applies."""
   dtype = jnp.dtype(dtype)
-  if dtype == jnp.bfloat16 and bf16_unit():
-    return AMX_BF16 if bf16_unit() == "amx" else AVX512_BF16
+  if dtype == jnp.bfloat16:
+    return BF16_PACKINGS.get(bf16_unit())
   if dtype == jnp.float32 and panels_available():
     return PANELS_F32
   return None
