@@ -30,6 +30,11 @@ STEP_KEYS = (
     "ep/progress_adv_mean", "ep/progress_adv_abs_mean", "ep/polarity_flip_frac",
     "ep/anchor_groups_frac", "ep/zero_variance_frac", "ep/bucket_occupancy_min",
     "ep/bucket_occupancy_max", "ep/bucket_empty_frac",
+    # sampler/trainer mismatch (TRL's and verl's names)
+    "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+    "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
+    "rollout_corr/rollout_is_ratio_fraction_high", "rollout_corr/rollout_is_ratio_fraction_low",
+    "rollout_corr/rollout_is_seq_fraction_high", "rollout_corr/rollout_is_seq_fraction_low",
 )
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PER_TOKEN = ("entropy", "gate", "outcome", "signal", "progress", "advantage", "tau", "bucket")

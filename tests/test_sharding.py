@@ -170,7 +170,10 @@ def assert_same_run(got, reference):
   for step, (a, b) in enumerate(zip(got["metrics"], reference["metrics"])):
     assert a.keys() == b.keys()
     for k in a:
-      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-5, err_msg=f"step {step + 1}: {k}")
+      # The sampler/trainer mismatch measures rounding itself (1e-6..1e-5 in float32), and the
+      # one-device sampler runs other kernels than a mesh's: equal to that size only.
+      atol = 1e-4 if k.startswith(("sampling/sampling_logp", "rollout_corr/")) else 1e-5
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=atol, err_msg=f"step {step + 1}: {k}")
   # Adam divides by the root of the second moment: 1e-6 gradient differences from another
   # reduction order can move a weight by ~1e-5 after a few steps; a sharding error moves it by far more.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4),

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from epgrpo_jax.core import mismatch
 from epgrpo_jax.io.errors import UserError
 
 _F32 = jnp.float32
@@ -214,6 +215,13 @@ class LossConfig:
   importance_sampling_level: str = "token"
   # DAPO overlong filtering: completions without a stop token leave the loss (trainer).
   mask_truncated_completions: bool = False
+  # Sampler/trainer mismatch (core/mismatch.py): "none", or the level of the importance weight
+  # pi_old / mu (mu: the sampler's log-probs) on the surrogate: "token", "sequence", "geometric".
+  rollout_correction: str = "none"
+  rollout_correction_mode: str = "truncate"  # TIS: min(w, cap); "mask" (MIS): w in [low, high]
+  rollout_correction_cap: float = 2.0  # also the [1/cap, cap] of the mismatch metrics
+  rollout_correction_low: float = 0.5
+  rollout_correction_high: float = 2.0
 
   def __post_init__(self):
     if not 0 <= self.eps_low < 1:
@@ -236,6 +244,9 @@ class LossConfig:
     if not isinstance(self.mask_truncated_completions, bool):
       raise UserError(f"loss.mask_truncated_completions: must be a bool, got "
                        f"{self.mask_truncated_completions!r}")
+    mismatch.check_correction(self.rollout_correction, self.rollout_correction_mode,
+                              self.rollout_correction_cap, self.rollout_correction_low,
+                              self.rollout_correction_high)
 
   def replace(self, **kw: Any) -> LossConfig:
     return dataclasses.replace(self, **kw)
@@ -292,8 +303,9 @@ def sequence_log_ratio(logp_BxT: jax.Array, logp_old_BxT: jax.Array,
 
 def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.Array,
                 adv_BxT: jax.Array, mask_BxT: jax.Array, cfg: LossConfig = LossConfig(),
-                entropy_BxT: jax.Array | None = None, *,
-                denominator: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                entropy_BxT: jax.Array | None = None, *, denominator: jax.Array | None = None,
+                logp_behaviour_BxT: jax.Array | None = None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped surrogate with the token advantage and k3 KL to the reference (eq. 5).
 
   Per token: `rho = exp(logp - logp_old)`,
@@ -310,6 +322,11 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
   `cfg.top_entropy_quantile` < 1 keeps the surrogate only on the tokens of
   `high_entropy_mask(entropy_BxT)` (required then); the KL term and the
   denominator still cover every token (as TRL).
+
+  `logp_behaviour_BxT`, the sampler's log-probs, adds the mismatch metrics of `logp_old_BxT`
+  against them (`mismatch.rollout_mismatch`) to `aux`; `cfg.rollout_correction` other than
+  "none" (which requires them) multiplies each token's surrogate by the detached
+  `mismatch.correction_weight` (the KL term and the denominator stay as they are, as TRL).
 
   Both parts are in `aux` ("loss_numerator", "loss_denominator"). For exact
   gradient accumulation over micro-batches, pass the full batch's denominator
@@ -339,6 +356,14 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
       raise ValueError("loss.top_entropy_quantile < 1 needs the token entropies (entropy_BxT)")
     selected_BxT = high_entropy_mask(entropy_BxT, mask_BxT, quantile=cfg.top_entropy_quantile)
     surrogate_BxT = jnp.where(selected_BxT, surrogate_BxT, 0.0)
+  if cfg.rollout_correction != "none":
+    if logp_behaviour_BxT is None:
+      raise ValueError("loss.rollout_correction needs the sampler's log-probs (logp_behaviour_BxT)")
+    weight_BxT = mismatch.correction_weight(
+        logp_old_BxT, logp_behaviour_BxT, mask_BxT, level=cfg.rollout_correction,
+        mode=cfg.rollout_correction_mode, cap=cfg.rollout_correction_cap,
+        low=cfg.rollout_correction_low, high=cfg.rollout_correction_high)
+    surrogate_BxT = surrogate_BxT * weight_BxT
   kl_BxT = jnp.exp(ref_gap_BxT) - ref_gap_BxT - 1.0
   per_token_BxT = jnp.where(mask_BxT, -(surrogate_BxT - cfg.beta * kl_BxT), 0.0)
 
@@ -381,6 +406,11 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
   }
   if cfg.top_entropy_quantile < 1.0:
     aux["entropy_mask/kept_frac"] = _masked_mean(selected_BxT.astype(_F32), mask_BxT, num_tokens)
+  if logp_behaviour_BxT is not None:
+    aux.update(mismatch.rollout_mismatch(logp_old_BxT, logp_behaviour_BxT, mask_BxT,
+                                         cap=cfg.rollout_correction_cap))
+  if cfg.rollout_correction != "none":
+    aux.update(mismatch.weight_metrics(weight_BxT, mask_BxT))
   if entropy_BxT is not None:
     aux["entropy"] = jax.lax.stop_gradient(
         _masked_mean(entropy_BxT.astype(_F32), mask_BxT, num_tokens))

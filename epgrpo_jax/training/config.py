@@ -265,6 +265,10 @@ class TrainConfig:
                        f"prompt, got {self.train.num_generations}")
     if self.sampling.max_new_tokens < 1:
       raise UserError("sampling.max_new_tokens: must be >= 1")
+    if self.loss.rollout_correction != "none" and self.sampling.is_greedy:
+      raise UserError(f"loss.rollout_correction: {self.loss.rollout_correction!r} needs the "
+                       f"sampler's log-probs of the distribution it drew from, and greedy sampling "
+                       f"(sampling.temperature=0 or sampling.greedy) has none; use 'none'")
     if self.reward.overlong_buffer > self.sampling.max_new_tokens:
       raise UserError(f"reward.overlong_buffer: {self.reward.overlong_buffer} exceeds "
                        f"sampling.max_new_tokens ({self.sampling.max_new_tokens})")

@@ -30,13 +30,16 @@ from epgrpo_jax.training.packing import Packing, check_layout
 @struct.dataclass
 class Rollout:
   """Flattened rows (B = prompts x samples) of prompts and sampled completions; with
-  `packing`, the forward passes run over its packed rows instead (`training/packing.py`)."""
+  `packing`, the forward passes run over its packed rows instead (`training/packing.py`).
+  `behaviour_logp`, the sampler's log-probs of the completions, gives the loss its mismatch
+  metrics and `loss.rollout_correction` its behaviour policy (`losses.policy_loss`)."""
 
   prompt_ids: jax.Array  # [B, Tp] int32, left-padded
   prompt_mask: jax.Array  # [B, Tp] bool
   completion: jax.Array  # [B, N] int32
   completion_mask: jax.Array  # [B, N] bool
   packing: Packing | None = None
+  behaviour_logp: jax.Array | None = None  # [B, N] float32
 
 
 @struct.dataclass
@@ -162,7 +165,8 @@ def policy_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, rollout:
     logp, entropy = completion_logprobs(model, rollout, temperature=temperature)
     logp_old, logp_ref, advantage, extra = terms(*jax.lax.stop_gradient((logp, entropy)))
     loss, aux = losses.policy_loss(logp, logp_old, logp_ref, advantage,
-                                   rollout.completion_mask, loss_cfg, entropy_BxT=entropy)
+                                   rollout.completion_mask, loss_cfg, entropy_BxT=entropy,
+                                   logp_behaviour_BxT=rollout.behaviour_logp)
     return loss, (aux, extra)
 
   (loss, (aux, extra)), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
@@ -335,7 +339,7 @@ class StepShardings:
 
   States follow `sharding.state_shardings` (optimizer moments like their
   parameters); per-sequence arrays [B, ...] and packed rows [R, L] are split over data x
-  fsdp. `packed`: the programs' rollouts carry a `Packing`.
+  fsdp.
   """
 
   mesh: jax.sharding.Mesh
@@ -343,14 +347,13 @@ class StepShardings:
   frozen: Any
   reference: Any
   opt_state: Any
-  packed: bool = False
 
   @classmethod
   def create(cls, policy: Policy, tx: optax.GradientTransformation,
-             mesh: jax.sharding.Mesh, packed: bool = False) -> "StepShardings":
+             mesh: jax.sharding.Mesh) -> "StepShardings":
     of = lambda state: None if state is None else sharding.state_shardings(state, mesh)
     return cls(mesh, of(policy.trainable), of(policy.frozen), of(policy.reference),
-               of(jax.eval_shape(tx.init, policy.trainable)), packed)
+               of(jax.eval_shape(tx.init, policy.trainable)))
 
   @property
   def rows(self) -> jax.sharding.NamedSharding:
@@ -360,12 +363,14 @@ class StepShardings:
   def replicated(self) -> jax.sharding.NamedSharding:
     return sharding.replicated(self.mesh)
 
-  def rollout(self) -> Rollout:
-    packing = Packing(*(self.rows,) * 5) if self.packed else None
-    return Rollout(self.rows, self.rows, self.rows, self.rows, packing)
+  def rollout(self) -> jax.sharding.NamedSharding:
+    """Every leaf of a `Rollout` is [B, ...] or packed rows [R, L]: one sharding, a prefix of
+    the rollout whatever its optional parts (packing, behaviour log-probs)."""
+    return self.rows
 
-  def update_batch(self) -> UpdateBatch:
-    return UpdateBatch(self.rollout(), self.rows, self.rows, self.rows)
+  def update_batch(self) -> jax.sharding.NamedSharding:
+    """An `UpdateBatch` is its rollout and [B, N] arrays: the same one sharding."""
+    return self.rows
 
   def place_policy(self, policy: Policy) -> Policy:
     return dataclasses.replace(policy, trainable=place(policy.trainable, self.trainable),

@@ -158,8 +158,17 @@ def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv
   }
   if "entropy_mask/kept_frac" in mean_update:
     out["entropy_mask/kept_frac"] = mean_update["entropy_mask/kept_frac"]
+  out.update(mismatch_metrics(update_metrics))
   out.update({k: float(v) for k, v in adv_metrics.items()})
   return out
+
+
+def mismatch_metrics(update_metrics: list[dict]) -> dict[str, float]:
+  """The step's sampler/trainer mismatch and correction metrics (`core.mismatch`) from its
+  updates' metrics: the largest `/max`, the smallest `/min`, the mean of the rest."""
+  combine = lambda k: max if k.endswith("/max") else min if k.endswith("/min") else np.mean
+  return {k: float(combine(k)([float(m[k]) for m in update_metrics])) for k in update_metrics[0]
+          if k.startswith(("sampling/", "rollout_corr/"))}
 
 
 def sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[dict]:

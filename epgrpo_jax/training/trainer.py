@@ -152,7 +152,7 @@ class Trainer:
                   "with fsdp %d and tensor %d > 1", self.mesh.shape["fsdp"],
                   self.mesh.shape["tensor"])
       self.fused = False
-    self.shardings = StepShardings.create(self.policy, self.tx, self.mesh, packed=t.packing)
+    self.shardings = StepShardings.create(self.policy, self.tx, self.mesh)
     self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
                              temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
@@ -269,7 +269,8 @@ class Trainer:
     rollout = distributed.place(self.packed(Rollout(
         prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
         prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
-        completion=completion_BxN, completion_mask=loss_mask_BxN)), self.shardings.rollout())
+        completion=completion_BxN, completion_mask=loss_mask_BxN,
+        behaviour_logp=sample_logp_BxN)), self.shardings.rollout())
 
     # 2. Dispatch the scoring and reference passes, then score rewards on the host meanwhile.
     logp_old = entropy = logp_ref = None  # without `score`, the fused update scores
