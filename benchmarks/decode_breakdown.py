@@ -137,12 +137,13 @@ def parts_only(args) -> None:
 
 
 def main():
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--runs", type=int, default=5)
   ap.add_argument("--decode-segments", type=int, default=2)
   ap.add_argument("--torch-threads", type=int, default=2)
   ap.add_argument("--skip-hf", action="store_true")
-  ap.add_argument("--model", help="a real Qwen2/Qwen2.5 HF directory instead of bench-tiny")
+  ap.add_argument("--model", type=path_flag, help="a real Qwen2/Qwen2.5 HF directory instead of bench-tiny")
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   ap.add_argument("--prompts", type=int, default=PROMPTS)
   ap.add_argument("--samples", type=int, default=ROWS // PROMPTS)

@@ -30,14 +30,15 @@ BENCHMARKS = ("math500", "amc23")
 
 
 def parse_args():
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--model", default=os.environ.get("EPGRPO_REAL_MODEL"))
-  ap.add_argument("--data-dir", default=os.environ.get("EPGRPO_DATA_DIR"))
+  ap.add_argument("--model", type=path_flag, default=os.environ.get("EPGRPO_REAL_MODEL"))
+  ap.add_argument("--data-dir", type=path_flag, default=os.environ.get("EPGRPO_DATA_DIR"))
   ap.add_argument("--limit", type=int, default=50, help="first N problems of each benchmark")
   ap.add_argument("--max-new-tokens", type=int, default=512)
   ap.add_argument("--batch", type=int, default=16, help="prompts per batch (both systems)")
   ap.add_argument("--torch-threads", type=int, default=2)
-  ap.add_argument("--out", default="eval/real-parity")
+  ap.add_argument("--out", type=path_flag, default="eval/real-parity")
   args = ap.parse_args()
   if not args.model:
     ap.error("--model: required (or set EPGRPO_REAL_MODEL)")

@@ -50,9 +50,10 @@ def vocab_buffers(hlo: str, vocab: int) -> list[tuple[str, int]]:
 
 
 def main():
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--model", default=os.environ.get("EPGRPO_REAL_MODEL"))
-  ap.add_argument("--out", default="runs/real-rl-smoke")
+  ap.add_argument("--model", type=path_flag, default=os.environ.get("EPGRPO_REAL_MODEL"))
+  ap.add_argument("--out", type=path_flag, default="runs/real-rl-smoke")
   ap.add_argument("--compile-only", action="store_true",
                   help="only compile the update program and print its memory figures")
   ap.add_argument("overrides", nargs="*")

@@ -29,8 +29,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def main():
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--model", default=os.environ.get("EPGRPO_REAL_MODEL"))
+  ap.add_argument("--model", type=path_flag, default=os.environ.get("EPGRPO_REAL_MODEL"))
   ap.add_argument("--runs", type=int, default=3)
   ap.add_argument("--shapes", default="2x8,8x8")
   ap.add_argument("--new-tokens", type=int, default=256)

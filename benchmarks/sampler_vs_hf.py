@@ -38,6 +38,7 @@ import numpy as np
 
 
 def parse_args():
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--samples", type=int, default=8, help="G completions per prompt")
@@ -51,7 +52,7 @@ def parse_args():
   ap.add_argument("--skip-hf", action="store_true", help="time only ours")
   ap.add_argument("--preset", default="bench-tiny", help="model shape (epgrpo_jax.models.PRESETS)")
   ap.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated")
-  ap.add_argument("--model", help="a real Qwen2/Qwen2.5 HF directory (instead of --preset)")
+  ap.add_argument("--model", type=path_flag, help="a real Qwen2/Qwen2.5 HF directory (instead of --preset)")
   ap.add_argument("--shapes", help="comma-separated PxG (prompts x samples); default: "
                   "--prompts x --samples")
   ap.add_argument("--decode-segments", type=int, default=None,

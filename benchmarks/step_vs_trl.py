@@ -43,6 +43,7 @@ import _common as C
 
 
 def parse_args(argv=None):
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--steps", type=int, default=7, help="timed steps of each system")
   ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each system first")
@@ -66,7 +67,8 @@ def parse_args(argv=None):
                   help="ours: train.reuse_sampler_logprobs=true (no scoring pass; TRL has none on-policy)")
   ap.add_argument("--separate-programs", action="store_true",
                   help="ours: train.fused_update=false (scoring, advantage, update as 3 programs)")
-  ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+  ap.add_argument("--json", type=lambda s: Path(path_flag(s)), default=None,
+                  help="also write the figures here")
   return ap.parse_args(argv)
 
 

@@ -39,6 +39,7 @@ from epgrpo_jax.io import commandline
 from epgrpo_jax.io.atomic import check_output_paths, write_text_atomic
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.metrics import Progress
+from epgrpo_jax.io.paths import expand_home, path_flag
 from epgrpo_jax.models import (LoraConfig, ModelConfig, check_vocab, load_hf_config, load_tokenizer,
                                stop_token_ids)
 from epgrpo_jax.rewards import RewardConfig, RewardScorer
@@ -85,16 +86,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(
       prog="python -m epgrpo_jax.evaluate",
       description="Acc, Fmt and pass@k of a model (or a training checkpoint) on math benchmarks.")
-  p.add_argument("--model", help="HF model directory (the base model of --checkpoint); default: "
+  p.add_argument("--model", type=path_flag,
+                 help="HF model directory (the base model of --checkpoint); default: "
                  "model.path of the run's config.yaml")
-  p.add_argument("--checkpoint", help="a training run: RUN_DIR (latest step), RUN_DIR/checkpoints "
+  p.add_argument("--checkpoint", type=path_flag,
+                 help="a training run: RUN_DIR (latest step), RUN_DIR/checkpoints "
                  "or RUN_DIR/checkpoints/<step>; its trained weights are restored onto --model")
   p.add_argument("--benchmarks", default=",".join(DEFAULT_BENCHMARKS),
                  help="comma-separated names (default: %(default)s)")
   p.add_argument("--benchmark-file", action="append", default=[], metavar="NAME=PATH",
                  help="a benchmark's JSONL/JSON/Parquet file, folder saved by `datasets`, or "
                  "Hugging Face dataset id (repeatable)")
-  p.add_argument("--data-dir", help="directory holding the benchmark files by their usual names "
+  p.add_argument("--data-dir", type=path_flag,
+                 help="directory holding the benchmark files by their usual names "
                  "(default: $EPGRPO_DATA_DIR, then the copies shipped in epgrpo_jax/datasets)")
   p.add_argument("--samples", type=_positive_int, default=16, help="samples per problem")
   p.add_argument("--temperature", type=_float_in(0.0, math.inf), default=1.0,
@@ -104,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--max-prompt-tokens", type=_non_negative_int, default=0,
                  help="skip (and count) longer prompts; 0: only the model's context limits")
   p.add_argument("--limit", type=_positive_int, help="first N problems of each benchmark")
-  p.add_argument("--out", help="output directory (default: RUN_DIR/eval/step_<N> with "
+  p.add_argument("--out", type=path_flag, help="output directory (default: RUN_DIR/eval/step_<N> with "
                  "--checkpoint, else eval/<model dir name>)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--prompts-per-batch", type=_positive_int, default=16,
@@ -223,7 +227,7 @@ def resolve_inputs(args: argparse.Namespace) -> Inputs:
   model_dir = args.model or run_model.get("path")
   if not model_dir or model_dir == "embedded":
     raise UserError(f"--model: required (the run's config.yaml names model.path={model_dir!r})")
-  model_dir = Path(model_dir).expanduser()
+  model_dir = Path(expand_home(model_dir))
   if not model_dir.is_dir():
     raise MissingFileError(f"--model {model_dir}: not a directory")
   if not (model_dir / "config.json").is_file():
@@ -282,7 +286,7 @@ def prepare_out_dir(args: argparse.Namespace, inputs: Inputs) -> Path:
   """--out (default RUN_DIR/eval/step_<N> with --checkpoint, else eval/<model dir name>),
   created before the model loads."""
   ref = inputs.ref
-  out_dir = Path(args.out).expanduser() if args.out else (
+  out_dir = Path(args.out) if args.out else (
       ref.run_dir / "eval" / f"step_{ref.step}" if ref else Path("eval") / inputs.model_dir.name)
   if out_dir.exists() and not out_dir.is_dir():
     raise UserError(f"--out {out_dir}: exists and is not a directory")

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from epgrpo_jax.io import commandline
+from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.supervised.sft import SCHEDULES, SFTConfig, check_paths, sft
 
 
 def _parser() -> argparse.ArgumentParser:
   d = SFTConfig(model="", data="")
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.sft", description=__doc__.splitlines()[0])
-  p.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
-  p.add_argument("--data", required=True, help="JSONL file with prompt and completion fields")
-  p.add_argument("--out", required=True, help="output HF directory")
+  p.add_argument("--model", required=True, type=path_flag, help="HF model directory (with tokenizer)")
+  p.add_argument("--data", required=True, type=path_flag, help="JSONL file with prompt and completion fields")
+  p.add_argument("--out", required=True, type=path_flag, help="output HF directory")
   p.add_argument("--steps", type=int, default=d.steps)
   p.add_argument("--lr", type=float, default=d.lr)
   p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -44,8 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   commandline.setup_logging()
 
   def run() -> int:
-    home = lambda s: str(Path(s).expanduser())  # `--out=~/x` reaches us unexpanded
-    cfg = SFTConfig(model=home(args.model), data=home(args.data), out=home(args.out),
+    cfg = SFTConfig(model=args.model, data=args.data, out=args.out,
                     steps=args.steps, lr=args.lr,
                     batch_size=args.batch_size, seed=args.seed, warmup_ratio=args.warmup_ratio,
                     schedule=args.schedule, weight_decay=args.weight_decay,

@@ -12,11 +12,13 @@ import sys
 import yaml
 
 from epgrpo_jax.io import commandline, configlib
+from epgrpo_jax.io.paths import path_flag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.train", description=__doc__.splitlines()[0])
-  p.add_argument("--config", help="YAML config (may name a `base:` file); default: the built-in defaults "
+  p.add_argument("--config", type=path_flag,
+                 help="YAML config (may name a `base:` file); default: the built-in defaults "
                  "(configs/default.yaml sets nothing)")
   p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
   p.add_argument("--print-config", action="store_true",

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from epgrpo_jax.io import catalog
 from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.io.paths import expand_home
 from epgrpo_jax.rewards import extract_boxed
 from epgrpo_jax.io.records import get_field, read_rows
 
@@ -170,7 +171,7 @@ def parse_benchmark_files(items: Iterable[str]) -> dict[str, str]:
     name, sep, path = item.partition("=")
     if not sep or not name.strip() or not path.strip():
       raise UserError(f"--benchmark-file {item!r}: expected NAME=PATH, e.g. aime24=data/aime24.jsonl")
-    out[get_spec(name).name] = path.strip()
+    out[get_spec(name).name] = expand_home(path.strip())
   return out
 
 
@@ -261,7 +262,8 @@ def _local_file(spec: BenchmarkSpec, data_dir: str | Path | None) -> tuple[Path 
   for base in (data_dir, os.environ.get(DATA_DIR_ENV)):
     if not base:
       continue
-    for folder in (Path(base), Path(base) / "benchmarks"):
+    base = Path(expand_home(str(base)))
+    for folder in (base, base / "benchmarks"):
       for cand in (folder / spec.file, folder / f"{spec.file}.gz"):
         looked.append(str(cand))
         if cand.is_file():
@@ -284,7 +286,7 @@ def _hf_rows(spec: BenchmarkSpec) -> tuple[list[dict], str]:
 def _explicit_rows(spec: BenchmarkSpec, path: str | Path,
                    skipped: collections.Counter) -> tuple[list, str]:
   """Rows of an explicit `path`: a file, a saved `datasets` folder or a Hugging Face id."""
-  file = Path(path).expanduser()
+  file = Path(expand_home(str(path)))
   split = spec.hf[0][1] if spec.hf else "test"
   if file.exists():
     return read_rows(file, skipped, split=split), str(file)

@@ -25,6 +25,7 @@ import grain
 from epgrpo_jax.data import evalsets
 from epgrpo_jax.io import catalog
 from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.io.paths import UserPath, expand_home
 from epgrpo_jax.models import render_prompt
 from epgrpo_jax.io.records import check_saved_dataset, data_stem, get_field, read_rows
 
@@ -42,8 +43,8 @@ MATH_TEMPLATE = ("{problem}\nPlease reason step by step, and put your final answ
 class DataConfig:
   """Where problems come from and how they become prompts."""
 
-  train_files: tuple[str, ...] = ()  # paths or names (`resolve_source`); empty: the embedded task
-  heldout_file: str = ""  # a path or name; empty: the embedded task's held-out split (or none)
+  train_files: tuple[UserPath, ...] = ()  # paths or names (`resolve_source`); empty: the embedded task
+  heldout_file: UserPath = ""  # a path or name; empty: the embedded task's held-out split (or none)
   problem_field: str = "problem"
   answer_field: str = "answer"
   id_field: str = ""
@@ -96,7 +97,7 @@ def resolve_source(value: str | Path, field: str = "data.train_files") -> Source
   `ValueError` that names `field`."""
   text = str(value)
   split = DEFAULT_SPLIT.get(field, "train")
-  path = Path(text).expanduser()
+  path = Path(expand_home(text))
   if path.is_file():
     return Source(text, "file", path)
   if path.is_dir():

@@ -14,6 +14,7 @@ from epgrpo_jax.io import commandline
 from epgrpo_jax.io.checkpointing import (restore_trainable, saved_trainable_shapes,
                                          shape_difference, tree_shapes)
 from epgrpo_jax.io.errors import MissingFileError, UserError
+from epgrpo_jax.io.paths import expand_home
 from epgrpo_jax.models import LORA_TARGETS, LoraConfig, from_pretrained, merge_lora
 
 
@@ -49,7 +50,7 @@ def _step_dirs(root: Path) -> dict[int, Path]:
 
 def resolve_checkpoint(path: str | Path) -> CheckpointRef:
   """`RUN_DIR`, `RUN_DIR/checkpoints` (latest step) or `RUN_DIR/checkpoints/<step>`."""
-  p = Path(path).expanduser()
+  p = Path(expand_home(str(path)))
   flag = f"--checkpoint {path}"
   if not p.exists():
     raise MissingFileError(f"{flag}: not found")

@@ -52,6 +52,7 @@ from epgrpo_jax.experiments.variants import BY_NAME, Plan, Variant, check_plan
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io import configlib
 from epgrpo_jax.io.metrics import read_metrics
+from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.rollout.sampling import shared_programs
 from epgrpo_jax.training.config import CONFIG_DIR, TrainConfig
 from epgrpo_jax.training.embedded import resolve_embedded
@@ -127,14 +128,16 @@ def load_results(plan: Plan) -> dict[str, list[dict]]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.experiments.compare",
                          description=__doc__.splitlines()[0])
-  p.add_argument("--out", help="output directory (default runs/compare, --quick: runs/compare-quick)")
+  p.add_argument("--out", type=path_flag,
+                 help="output directory (default runs/compare, --quick: runs/compare-quick)")
   p.add_argument("--variants", help=f"comma-separated subset of {','.join(BY_NAME)} (default all; "
                  f"--quick: {','.join(QUICK_VARIANTS)})")
   p.add_argument("--seeds", type=int, help="seeds per variant (default 3; --quick: 1)")
   p.add_argument("--first-seed", type=int, default=1, help="train.seed of the first seed (default 1)")
   p.add_argument("--steps", type=int, help="RL steps of every run (default: the configs' train.steps)")
   p.add_argument("--eval-samples", type=int, default=16, help="samples per held-out problem")
-  p.add_argument("--config-dir", default=str(CONFIG_DIR), help="where the variant YAML files are")
+  p.add_argument("--config-dir", type=path_flag, default=str(CONFIG_DIR),
+                 help="where the variant YAML files are")
   p.add_argument("--quick", action="store_true",
                  help="CI setting: GRPO, EP-GRPO (3 steps) and the rival rows (1 step), 1 seed")
   p.add_argument("--report-only", action="store_true", help="only rebuild the report from results")

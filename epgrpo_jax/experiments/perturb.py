@@ -58,6 +58,7 @@ from epgrpo_jax.data import pipeline
 from epgrpo_jax.evaluation.checkpoints import load_policy
 from epgrpo_jax.io import commandline, configlib
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.models import load_tokenizer, stop_token_ids
 from epgrpo_jax.parallel.distributed import to_host
 from epgrpo_jax.rewards import RewardScorer, parse_gold
@@ -240,8 +241,8 @@ def markdown(result: dict[str, Any], settings: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.experiments.perturb",
                          description=__doc__.splitlines()[0])
-  p.add_argument("--model", required=True, help="HF model directory (e.g. RUN/policy)")
-  p.add_argument("--config", help="config for the data and prompt (default: RUN/config.yaml "
+  p.add_argument("--model", required=True, type=path_flag, help="HF model directory (e.g. RUN/policy)")
+  p.add_argument("--config", type=path_flag, help="config for the data and prompt (default: RUN/config.yaml "
                  "next to --model, else the default config)")
   p.add_argument("--problems", type=int, default=64, help="held-out problems to sample")
   p.add_argument("--samples", type=int, default=8, help="samples per problem")
@@ -251,7 +252,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--prompts-per-batch", type=int, default=32)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", help="output directory (default: the --model directory's parent / perturb)")
+  p.add_argument("--out", type=path_flag,
+                 help="output directory (default: the --model directory's parent / perturb)")
   p.add_argument("--debug", action="store_true")
   p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
   args = p.parse_args(argv)

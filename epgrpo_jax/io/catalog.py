@@ -22,6 +22,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from epgrpo_jax.io.paths import expand_home
+
 DATA_DIR = Path(__file__).resolve().parents[1] / "datasets"
 DATASETS_HINT = "pip install 'epgrpo-jax[datasets]'"
 
@@ -96,4 +98,4 @@ def cache_dir() -> Path:
   """Where built data (the embedded task, its warm start) is cached: $EPGRPO_DATA_DIR, else
   ~/.cache/epgrpo_jax."""
   env = os.environ.get("EPGRPO_DATA_DIR")
-  return Path(env).expanduser() if env else Path.home() / ".cache" / "epgrpo_jax"
+  return Path(expand_home(env)) if env else Path.home() / ".cache" / "epgrpo_jax"

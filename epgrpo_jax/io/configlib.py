@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from epgrpo_jax.io import paths
 from epgrpo_jax.io.errors import UserError
 
 
@@ -48,7 +49,7 @@ def load_yaml(path: str | Path, *, flag: str = "--config", default_base: str | N
   `default_base`: a base file of that name that does not exist counts as empty (the built-in
   defaults equal it).
   """
-  path = Path(path)
+  path = Path(paths.expand_home(str(path)))
   if not path.is_file():
     raise ConfigError(f"{flag}: file not found: {path}")
   try:
@@ -69,7 +70,7 @@ def load_yaml(path: str | Path, *, flag: str = "--config", default_base: str | N
     return data
   if not isinstance(base, str) or not base.strip():
     raise ConfigError(f"{path}: base: must be a file name, got {base!r}")
-  base_path = path.parent / base
+  base_path = path.parent / paths.expand_home(base)
   chain = (*_chain, path.resolve())
   if base_path.resolve() in chain:
     loop = " -> ".join(p.name for p in (*chain, base_path.resolve()))
@@ -139,7 +140,14 @@ def _type_name(tp) -> str:
 
 
 def coerce(tp, value: Any, key: str):
-  """Checks `value` against the annotation `tp`, converting lists to tuples and ints to floats."""
+  """Checks `value` against the annotation `tp`, converting lists to tuples and ints to floats;
+  `~` in a `UserPath` becomes the home directory."""
+  if paths.is_user_path(tp):
+    text = coerce(typing.get_args(tp)[0], value, key)
+    try:
+      return paths.expand_home(text)
+    except UserError as e:
+      raise ConfigError(f"{key}: {e}") from None
   if isinstance(value, Override):
     options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
     value = value.for_type(str if str in options or tp is str else tp)
@@ -218,7 +226,7 @@ def build(cls, data: dict[str, Any], prefix: str = ""):
   if not isinstance(data, dict):
     raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
   fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-  hints = typing.get_type_hints(cls)
+  hints = typing.get_type_hints(cls, include_extras=True)
   kwargs = {}
   for key, value in data.items():
     if key not in fields:

@@ -37,6 +37,7 @@ import yaml
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.metrics import token_strings
+from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.io.records import jsonl_rows
 from epgrpo_jax.rewards import parse_gold
 
@@ -395,11 +396,12 @@ def write_page(group: dict[str, Any], out: str | Path, *, title: str = "",
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.tools.heatmap",
                          description=__doc__.splitlines()[0])
-  p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a run directory with samples.jsonl")
+  p.add_argument("run", nargs="?", type=path_flag, metavar="RUN_DIR",
+                 help="a run directory with samples.jsonl")
   p.add_argument("--step", type=int, help="the dumped step (default: the latest)")
   p.add_argument("--group", type=int, help="the group index within the step (default: the "
                  "first whose rewards differ)")
-  p.add_argument("--checkpoint", metavar="RUN_DIR",
+  p.add_argument("--checkpoint", metavar="RUN_DIR", type=path_flag,
                  help="sample a fresh group with this run's latest checkpoint instead")
   p.add_argument("--problem", help="with --checkpoint: the problem text (default: the run's "
                  "first held-out problem)")
@@ -408,7 +410,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--samples", type=int, help="with --checkpoint: G (default: the run's "
                  "train.num_generations)")
   p.add_argument("--seed", type=int, default=0, help="with --checkpoint: sampling seed")
-  p.add_argument("--out", help="the HTML file (default: RUN_DIR/heatmaps/step<N>_group<I>.html)")
+  p.add_argument("--out", type=path_flag,
+                 help="the HTML file (default: RUN_DIR/heatmaps/step<N>_group<I>.html)")
   p.add_argument("--debug", action="store_true", help="show tracebacks")
   args = p.parse_args(argv)
   if (args.run is None) == (args.checkpoint is None):

@@ -26,6 +26,7 @@ from matplotlib.ticker import MaxNLocator
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.metrics import read_metrics
+from epgrpo_jax.io.paths import path_flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +177,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.tools.plot", description=__doc__.splitlines()[0])
-  p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl)")
-  p.add_argument("--out", help="output directory (default: RUN_DIR/plots for one run, "
+  p.add_argument("runs", nargs="+", type=path_flag, metavar="RUN_DIR",
+                 help="run directories (metrics.jsonl)")
+  p.add_argument("--out", type=path_flag, help="output directory (default: RUN_DIR/plots for one run, "
                  "./plots for several)")
   p.add_argument("--names", help="comma-separated labels, one per run (default: directory names)")
   p.add_argument("--alpha", type=float, default=0.2, help="EMA weight of the newest point")

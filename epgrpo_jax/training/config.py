@@ -15,6 +15,7 @@ from epgrpo_jax.io import configlib
 from epgrpo_jax.core.advantages import AdvantageConfig
 from epgrpo_jax.data.pipeline import DataConfig
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.io.paths import UserPath
 from epgrpo_jax.core.losses import LossConfig
 from epgrpo_jax.models import ATTENTION, LoraConfig
 from epgrpo_jax.rewards import RewardConfig
@@ -23,15 +24,6 @@ from epgrpo_jax.parallel.sharding import MeshConfig
 
 EMBEDDED = "embedded"
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-def expand_user(obj, *names: str) -> None:
-  """`~` in the path fields `names` of frozen dataclass `obj` becomes the home directory,
-  the same for every path key of the config."""
-  for name in names:
-    value = getattr(obj, name)
-    if isinstance(value, str) and value.startswith("~"):
-      object.__setattr__(obj, name, str(Path(value).expanduser()))
 
 
 def _positive(section: str, obj, *names: str) -> None:
@@ -43,7 +35,7 @@ def _positive(section: str, obj, *names: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelRunConfig:
-  path: str = EMBEDDED  # a local HF directory, or "embedded" (the built-in tiny model)
+  path: UserPath = EMBEDDED  # a local HF directory, or "embedded" (the built-in tiny model)
   dtype: str = "float32"  # compute dtype: float32 or bfloat16
   param_dtype: str = "float32"  # frozen base weights; trainable weights are always float32
   # True: train every weight (the reference is a frozen copy); False: LoRA adapters only
@@ -56,7 +48,6 @@ class ModelRunConfig:
   attention_block: int = 512  # keys per block of the blockwise attention
 
   def __post_init__(self):
-    expand_user(self, "path")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise UserError(f"model.{name}: must be float32 or bfloat16, got {getattr(self, name)!r}")
@@ -64,7 +55,7 @@ class ModelRunConfig:
       raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
     _positive("model", self, "attention_block")
     if self.path != EMBEDDED:
-      p = Path(self.path).expanduser()
+      p = Path(self.path)
       if not p.is_dir():
         raise UserError(f"model.path: not a directory: {self.path}")
       if not (p / "config.json").is_file():
@@ -101,7 +92,7 @@ class TrainLoopConfig:
   mini_batches: int = 1  # optimizer updates per pass (the batch split in equal parts)
   grad_accumulation: int = 1  # micro-batches summed into each update (memory; same update)
   seed: int = 42
-  output_dir: str = "runs/default"
+  output_dir: UserPath = "runs/default"
   reuse_sampler_logprobs: bool = False  # skip the scoring pass; use the sampler's log-probs
   # On-policy steps (num_iterations = mini_batches = grad_accumulation = 1, no
   # reuse_sampler_logprobs): score, reference pass, advantage and update in one program, the
@@ -221,7 +212,7 @@ class DistributedConfig:
 class EmbeddedConfig:
   """The built-in tiny model and arithmetic task (used when model.path is 'embedded')."""
 
-  data_dir: str = ""  # "" : $EPGRPO_DATA_DIR or ~/.cache/epgrpo_jax
+  data_dir: UserPath = ""  # "" : $EPGRPO_DATA_DIR or ~/.cache/epgrpo_jax
   seed: int = 0
   sft_steps: int = 800  # the supervised warm start (cached after the first run)
   sft_learning_rate: float = 3e-3
@@ -230,7 +221,6 @@ class EmbeddedConfig:
   heldout_problems: int = 128
 
   def __post_init__(self):
-    expand_user(self, "data_dir")
     _positive("embedded", self, "sft_steps", "sft_learning_rate", "sft_batch_size",
               "heldout_problems")
     if not 0 <= self.sft_slip < 1:
