@@ -6,10 +6,13 @@ import html.parser
 import io
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epgrpo_jax.tools import heatmap
 from epgrpo_jax.tools import plot
@@ -172,9 +175,9 @@ def test_read_metrics_skips_a_truncated_last_line_with_a_warning(tmp_path, caplo
   assert "metrics.jsonl:3: skipped (invalid JSON)" in caplog.text
 
 
-def test_a_resumed_writer_ends_a_cut_line_before_appending(tmp_path, caplog):
-  """A kill mid-write leaves half a record; the next run's records start on lines of their own
-  (they used to be glued onto the broken line, and both were lost)."""
+def test_a_resumed_writer_removes_a_cut_line_before_appending(tmp_path, caplog):
+  """A kill mid-write leaves half a record; the next run removes it before appending, so every
+  line of the file parses (it was once glued onto the next record, later left in the file)."""
   w = MetricsWriter(tmp_path, tensorboard=False)
   w.write(1, {"reward": 0.5})
   w.close()
@@ -184,9 +187,10 @@ def test_a_resumed_writer_ends_a_cut_line_before_appending(tmp_path, caplog):
   w.write(2, {"reward": 0.75})
   w.write(3, {"reward": 1.0})
   w.close()
-  assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path)] == [(1, 0.5), (2, 0.75),
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [(r["step"], r["reward"]) for r in map(json.loads, lines)] == [(1, 0.5), (2, 0.75),
                                                                        (3, 1.0)]
-  assert "metrics.jsonl:2: skipped (invalid JSON)" in caplog.text
+  assert "removed a last line cut off by an interrupted write (16 bytes)" in caplog.text
 
 
 def test_metrics_writer_jsonl_and_tensorboard_round_trip(tmp_path):
@@ -460,13 +464,47 @@ def test_heatmap_fresh_sample_from_checkpoint(smoke_run, tmp_path):
   assert sorted(p.name for p in smoke_run.rglob("*")) == before  # the run is left alone
 
 
-def test_a_resumed_writer_starts_after_a_truncated_last_line(tmp_path):
-  # A run killed mid-write leaves half a line; the resumed run's first record must not be glued
-  # onto it (both would be lost).
-  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+def test_resume_from_keeps_the_whole_records_up_to_the_restored_step(tmp_path, caplog):
+  # A run killed after step 3 (checkpoint at step 2) mid-write of samples.jsonl, with a broken line
+  # an older version left in metrics.jsonl; it resumes from step 2.
+  metrics = ['{"step": 0, "data/train_problems": 9}', '{"step": 1, "reward": 0.5}', '{"step": 2, "rew',
+             '{"step": 2, "reward": 0.6}', '{"step": 2, "heldout/accuracy": 0.3}', '{"note": "no step"}',
+             '{"step": 3, "reward": 0.7}']
+  (tmp_path / "metrics.jsonl").write_text("\n".join(metrics) + "\n")
+  (tmp_path / "samples.jsonl").write_text('{"step": 2, "group": 0}\n{"step": 3, "group": 0}\n{"step": 3, "gr')
+  (tmp_path / "other.jsonl").write_text('{"step": 9}\n')  # not an output of the writer
   w = MetricsWriter(tmp_path, tensorboard=False)
-  w.write(2, {"reward": 0.75})
+  w.resume_from(2, ("metrics.jsonl", "samples.jsonl"))
+  w.write(3, {"reward": 0.75})
+  w.append_jsonl("samples.jsonl", [{"step": 3, "group": 1}])
   w.close()
-  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-  assert lines == ['{"step": 1, "reward": 0.5}', '{"step": 2, "rew', '{"step": 2, "reward": 0.75}']
-  assert [r["reward"] for r in read_metrics(tmp_path)] == [0.5, 0.75]
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert lines == [json.loads(metrics[i]) for i in (0, 1, 3, 4, 5)] + [{"step": 3, "reward": 0.75}]
+  samples = [json.loads(l) for l in (tmp_path / "samples.jsonl").read_text().splitlines()]
+  assert samples == [{"step": 2, "group": 0}, {"step": 3, "group": 1}]
+  assert (tmp_path / "other.jsonl").read_text() == '{"step": 9}\n'
+  assert "metrics.jsonl: dropped 2 line(s) of steps after 2" in caplog.text
+  # A fresh start (no checkpoint): nothing of the earlier attempt stays, every record is redone.
+  w = MetricsWriter(tmp_path, tensorboard=False)
+  w.resume_from(-1, ("metrics.jsonl",))
+  w.close()
+  assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [{"note": "no step"}]
+
+
+@settings(deadline=None)
+@given(steps=st.lists(st.integers(0, 6), max_size=12), cut=st.integers(-1, 6),
+       torn=st.integers(0, 40), newline=st.booleans())
+def test_resume_from_keeps_exactly_the_parsable_records_through_the_cut(steps, cut, torn, newline):
+  records = [{"step": s, "i": i, "text": "é\\n"} for i, s in enumerate(steps)]
+  text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+  tail = json.dumps({"step": 0, "i": -1}, ensure_ascii=False)
+  raw = text.encode() + tail.encode()[:torn] + (b"\n" if newline and torn else b"")
+  with tempfile.TemporaryDirectory() as d:
+    (Path(d) / "metrics.jsonl").write_bytes(raw)
+    w = MetricsWriter(d, tensorboard=False)
+    w.resume_from(cut, ("metrics.jsonl",))
+    w.write(cut + 1, {"reward": 1.0})
+    w.close()
+    got = [json.loads(l) for l in (Path(d) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+  whole = records + ([{"step": 0, "i": -1}] if torn >= len(tail) else [])
+  assert got == [r for r in whole if r["step"] <= cut] + [{"step": cut + 1, "reward": 1.0}]

@@ -75,7 +75,7 @@ def overrides(task, out_dir: Path, *extra: str) -> list[str]:
 
 
 def step_records(run_dir: Path) -> dict[int, dict[str, Any]]:
-  """The training metrics of each step, the last logged (a resumed run logs some steps again)."""
+  """The training metrics of each step."""
   out = {}
   for line in (run_dir / "metrics.jsonl").read_text().splitlines():
     record = json.loads(line)
@@ -282,6 +282,8 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(crash_runs):
   ref, run = crash_runs["reference"], crash_runs["interrupted"]
   expected, got = step_records(ref), step_records(run)
   assert sorted(expected) == sorted(got) == list(range(1, STEPS + 1))
+  # Each step's record once: the resumed legs dropped the records of the steps they redid.
+  assert [r["step"] for r in _records(run / "metrics.jsonl") if "reward" in r] == sorted(got)
   for step in expected:
     assert got[step] == expected[step], f"step {step}"
   # The runs learned something, so that equal numbers mean equal work.
@@ -294,6 +296,46 @@ def test_killed_and_resumed_run_matches_an_uninterrupted_one(crash_runs):
   final = load_state(last_ref)
   assert any(np.abs(v).max() > 0 for k, v in part(final, "['trainable']").items()
              if "lora_b" in k)  # the adapters moved from their zero start
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+  """Every line of a JSON Lines file, parsed (a line that does not parse fails the test)."""
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _untimed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def _cut_after(path: Path, last_step: int, torn: int) -> None:
+  """Keeps the lines of steps <= last_step and the first `torn` bytes of the next line: a run
+  killed while writing that line."""
+  lines = path.read_text().splitlines(keepends=True)
+  keep = next(i for i, line in enumerate(lines) if json.loads(line)["step"] > last_step)
+  path.write_text("".join(lines[:keep]) + lines[keep][:torn])
+
+
+def test_a_resume_after_a_torn_write_logs_each_record_once(task, tmp_path, monkeypatch):
+  # A run killed while writing step 4's records, after its step-3 records and with its latest
+  # checkpoint at step 2: the resumed run redoes steps 3 and 4. Every line of every JSON Lines
+  # output parses afterwards, and holds the uninterrupted run's records, each once.
+  _, root = task
+  monkeypatch.syspath_prepend(str(root))
+  extra = ("train.steps=4", "checkpoint.every=2", "logging.samples_every=1", "logging.samples_count=1")
+  reference, run = tmp_path / "reference", tmp_path / "run"
+  assert train_cli.main(overrides(task, reference, *extra)) == 0
+  shutil.copytree(reference, run)
+  shutil.rmtree(run / "checkpoints" / "4")
+  shutil.rmtree(run / "policy")
+  (run / "summary.json").unlink()
+  _cut_after(run / "metrics.jsonl", 3, torn=20)
+  _cut_after(run / "samples.jsonl", 3, torn=50)
+  assert train_cli.main(overrides(task, run, *extra)) == 0
+  expected, got = _records(reference / "metrics.jsonl"), _records(run / "metrics.jsonl")
+  assert [r["step"] for r in got if "reward" in r] == [1, 2, 3, 4]
+  assert _untimed(got) == _untimed(expected)
+  assert _records(run / "samples.jsonl") == _records(reference / "samples.jsonl")
+  assert [r["step"] for r in _records(run / "samples.jsonl")] == [1, 2, 3, 4]
 
 
 # ----------------------------------------------------------------------------- non-finite updates

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from epgrpo_jax.io.errors import UserError
+
+log = logging.getLogger("epgrpo_jax.io.atomic")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
@@ -25,17 +29,44 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 def open_for_append(path: str | Path):
-  """Opens a line-oriented file for appending; a last line cut off by a crash is ended first,
-  so the next record starts on a line of its own instead of being glued onto the broken one."""
+  """Opens a JSON Lines file for appending. A last line without its newline is a record cut off
+  by a crash: it is removed (a whole JSON value there only gets its newline), so that every line
+  parses and the next record starts on a line of its own."""
   path = Path(path)
   if path.exists() and path.stat().st_size:
-    with open(path, "rb") as f:
-      f.seek(-1, os.SEEK_END)
-      cut = f.read(1) != b"\n"
-    if cut:
-      with open(path, "a", encoding="utf-8") as f:
-        f.write("\n")
+    raw = path.read_bytes()
+    if not raw.endswith(b"\n"):
+      start = raw.rfind(b"\n") + 1
+      if _parses(raw[start:]):
+        with open(path, "ab") as f:
+          f.write(b"\n")
+      else:
+        log.warning("%s: removed a last line cut off by an interrupted write (%d bytes)", path,
+                    len(raw) - start)
+        os.truncate(path, start)
   return open(path, "a", buffering=1, encoding="utf-8")
+
+
+def keep_jsonl_records(path: str | Path, keep: Callable[[Any], bool]) -> int:
+  """Rewrites a JSON Lines file (atomically) with only its lines that parse and satisfy `keep`;
+  returns how many lines went. The file is left untouched when every line stays."""
+  path = Path(path)
+  if not path.is_file():
+    return 0
+  lines = path.read_bytes().split(b"\n")
+  lines = lines[:-1] if lines and not lines[-1] else lines
+  kept = [line for line in lines if _parses(line) and keep(json.loads(line))]
+  if len(kept) < len(lines):
+    write_text_atomic(path, "".join(line.decode("utf-8") + "\n" for line in kept))
+  return len(lines) - len(kept)
+
+
+def _parses(line: bytes) -> bool:
+  try:
+    json.loads(line.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    return False
+  return bool(line.strip())
 
 
 def check_output_paths(root: str | Path, field: str, *, dirs: Iterable[str] = (),

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
-from epgrpo_jax.io.atomic import open_for_append, write_text_atomic
+from epgrpo_jax.io.atomic import keep_jsonl_records, open_for_append, write_text_atomic
 from epgrpo_jax.io.records import jsonl_rows
 
 log = logging.getLogger("epgrpo_jax")
@@ -55,7 +55,7 @@ class MetricsWriter:
     if not enabled:
       return
     self.run_dir.mkdir(parents=True, exist_ok=True)
-    self._jsonl = open_for_append(self.run_dir / "metrics.jsonl")
+    self._jsonl = None  # opened at the first record, after `resume_from`
     if tensorboard:
       from tensorboardX import SummaryWriter  # 1.5 s to import; only runs that log to TensorBoard
       self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), flush_secs=10)
@@ -72,12 +72,27 @@ class MetricsWriter:
       return
     values = {prefix + k: to_float(v) for k, v in metrics.items()}
     record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in values.items()}}
+    if self._jsonl is None:
+      self._jsonl = open_for_append(self.run_dir / "metrics.jsonl")
     self._jsonl.write(json.dumps(record) + "\n")
     if self._tb is not None:
       for k, v in values.items():
         self._tb.add_scalar(tb_tag(k), v, step)
     if self._wandb is not None:
       self._wandb.log(values, step=step)
+
+  def resume_from(self, step: int, names: Iterable[str]) -> None:
+    """Before a (re)started run writes: each JSON Lines output in `names` keeps only its records
+    of steps <= `step` (the restored checkpoint's; -1 on a fresh start) and lines that parse.
+    Later steps are computed again, so their earlier records would appear twice."""
+    if not self.enabled:
+      return
+    assert self._jsonl is None, "resume_from must come before the first record"
+    for name in names:
+      dropped = keep_jsonl_records(self.run_dir / name, lambda r: _step_of(r) <= step)
+      if dropped:
+        log.warning("%s: dropped %d line(s) of steps after %d (computed again) or cut off by an "
+                    "interrupted write", self.run_dir / name, dropped, step)
 
   def write_json(self, name: str, obj: Any) -> None:
     if self.enabled:
@@ -91,18 +106,26 @@ class MetricsWriter:
 
   def flush(self) -> None:
     if self.enabled:
-      self._jsonl.flush()
+      if self._jsonl is not None:
+        self._jsonl.flush()
       if self._tb is not None:
         self._tb.flush()
 
   def close(self) -> None:
     if not self.enabled:
       return
-    self._jsonl.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
     if self._tb is not None:
       self._tb.close()
     if self._wandb is not None:
       self._wandb.finish()
+
+
+def _step_of(record: Any) -> float:
+  """A record's step; a record without one belongs to no step (it is kept)."""
+  step = record.get("step") if isinstance(record, dict) else None
+  return step if isinstance(step, int) and not isinstance(step, bool) else -math.inf
 
 
 class Progress:

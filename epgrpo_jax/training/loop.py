@@ -21,7 +21,7 @@ from epgrpo_jax.parallel import distributed
 from epgrpo_jax.training.config import EMBEDDED, TrainConfig
 from epgrpo_jax.training.embedded import resolve_embedded
 from epgrpo_jax.training.rollouts import sample_records
-from epgrpo_jax.training.trainer import Trainer, check_writable
+from epgrpo_jax.training.trainer import JSONL_OUTPUTS, Trainer, check_writable
 
 log = logging.getLogger("epgrpo_jax.training.loop")
 
@@ -43,9 +43,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if trainer.is_main:  # only once the resume worked: the file must describe the checkpoints
       write_text_atomic(trainer.out_dir / "config.yaml",
                         yaml.safe_dump(configlib.to_dict(cfg), sort_keys=False))
-    trainer.writer.write(state.step, {f"data/skipped_{k}": v for k, v in trainer.skips.items()}
-                         | {"data/train_problems": len(trainer.train_examples),
-                            "data/heldout_problems": len(trainer.heldout)})
+    # Checkpoints exist from step 1 on: step 0 is a fresh start, whose records are all redone.
+    resumed = state.step > 0
+    trainer.writer.resume_from(state.step if resumed else -1, JSONL_OUTPUTS)
+    if not resumed:
+      trainer.writer.write(0, {f"data/skipped_{k}": v for k, v in trainer.skips.items()}
+                           | {"data/train_problems": len(trainer.train_examples),
+                              "data/heldout_problems": len(trainer.heldout)})
     eval_key = jax.random.key(t.seed + 1)
     if cfg.eval.before and trainer.heldout and state.step == 0:
       summary["heldout_before"] = trainer.evaluate(state.trainable, eval_key)

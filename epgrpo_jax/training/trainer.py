@@ -44,6 +44,7 @@ log = logging.getLogger("epgrpo_jax.training.trainer")
 # What a run writes in train.output_dir.
 RUN_DIRS = ("checkpoints", "policy", "tensorboard")
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json")
+JSONL_OUTPUTS = tuple(name for name in RUN_FILES if name.endswith(".jsonl"))  # appended per step
 
 
 @dataclasses.dataclass
