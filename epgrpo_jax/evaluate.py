@@ -36,7 +36,7 @@ from epgrpo_jax.evaluation.heldout import (EVAL_TEMPLATE, average_metrics, bench
                                            evaluate_examples, markdown_table, percent, render_examples,
                                            skip_note, table_ks)
 from epgrpo_jax.io import commandline
-from epgrpo_jax.io.atomic import check_output_paths, write_text_atomic
+from epgrpo_jax.io.atomic import check_output_paths, output_dir, write_text_atomic
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.metrics import Progress
 from epgrpo_jax.io.paths import expand_home, path_flag
@@ -288,13 +288,8 @@ def prepare_out_dir(args: argparse.Namespace, inputs: Inputs) -> Path:
   ref = inputs.ref
   out_dir = Path(args.out) if args.out else (
       ref.run_dir / "eval" / f"step_{ref.step}" if ref else Path("eval") / inputs.model_dir.name)
-  if out_dir.exists() and not out_dir.is_dir():
-    raise UserError(f"--out {out_dir}: exists and is not a directory")
-  check_output_paths(out_dir, "--out", files=("samples.jsonl", "results.json", "results.md"))
-  try:
-    out_dir.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise UserError(f"--out {out_dir}: cannot create ({e.strerror})") from None
+  check_output_paths(output_dir(out_dir, "--out"), "--out",
+                     files=("samples.jsonl", "results.json", "results.md"))
   return out_dir
 
 

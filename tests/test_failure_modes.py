@@ -381,3 +381,56 @@ def test_equal_ids_and_file_names_keep_each_rows_own_answer(task, tmp_path):
       assert trainer.scorer.score([f"\\boxed{{{e.answer}}}"], [trainer.gold(e)]).reward[0] == 1.0
   finally:
     trainer.close()
+
+
+@pytest.fixture
+def tool_paths(tmp_path):
+  """A run directory with a metrics line and a dumped group, a file and a directory in the way."""
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n')
+  response = {"reward": 1.0, "token_ids": [1, 2], "tokens": ["a", "b"], "advantage": [0.1, 0.2]}
+  (run / "samples.jsonl").write_text(json.dumps({"step": 2, "group": 0, "responses": [response]}) + "\n")
+  (tmp_path / "a_file").write_text("mine\n")
+  (tmp_path / "a_dir").mkdir()
+  return tmp_path
+
+
+# (command module, arguments, expected error line); {t} is the test's directory.
+TOOL_CASES = [
+    ("tools.plot", ["{t}/run", "--out", "{t}/a_file"], "error: --out {t}/a_file: exists and is not a directory"),
+    ("tools.plot", ["{t}/run", "--out", "{t}/a_file/plots"],
+     "error: --out {t}/a_file/plots: cannot create (Not a directory)"),
+    ("tools.plot", ["{t}/no_run"], "error: {t}/no_run: no metrics.jsonl (not a run directory?)"),
+    ("tools.plot", ["{t}/a_file"], "error: {t}/a_file: no metrics.jsonl (not a run directory?)"),
+    ("tools.heatmap", ["{t}/run", "--out", "{t}/a_dir"],
+     "error: --out {t}/a_dir: is a directory; name the file to write"),
+    ("tools.heatmap", ["{t}/run", "--out", "{t}/a_file/page.html"],
+     "error: --out {t}/a_file: exists and is not a directory"),
+    ("tools.heatmap", ["{t}/no_run"], "error: {t}/no_run/samples.jsonl: not found (the run dumps "
+                                      "samples every logging.samples_every steps)"),
+    ("tools.heatmap", ["{t}/run", "--step", "7"], "error: --step 7: no samples at that step; steps with "
+                                                  "samples: 2"),
+    ("tools.heatmap", ["--checkpoint", "{t}/no_run"],
+     "error: --checkpoint {t}/no_run: no config.yaml (not a run directory)"),
+    ("experiments.compare", ["--report-only", "--out", "{t}/a_file"],
+     "error: --out {t}/a_file: exists and is not a directory"),
+]
+
+
+@pytest.mark.parametrize("module,argv,expected", TOOL_CASES)
+def test_tools_give_one_line_errors_with_exit_2(tool_paths, capsys, module, argv, expected):
+  import importlib
+  main = importlib.import_module(f"epgrpo_jax.{module}").main
+  before = _tree(tool_paths)
+  code = main([a.format(t=tool_paths) for a in argv])
+  err = capsys.readouterr().err
+  assert (code, err) == (2, expected.format(t=tool_paths) + "\n")
+  assert _tree(tool_paths) == before  # nothing written, nothing in the way changed
+
+
+def test_a_tool_error_is_one_line_in_a_real_process(tool_paths):
+  proc = subprocess.run([sys.executable, "-m", "epgrpo_jax.tools.plot", "run", "--out", "a_file"],
+                        cwd=tool_paths, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, MPLCONFIGDIR=str(tool_paths / "mpl")))
+  assert (proc.returncode, proc.stderr) == (2, "error: --out a_file: exists and is not a directory\n")

@@ -51,6 +51,7 @@ from epgrpo_jax.experiments.reporting import run_statistics, write_curves, write
 from epgrpo_jax.experiments.variants import BY_NAME, Plan, Variant, check_plan
 from epgrpo_jax.io import commandline
 from epgrpo_jax.io import configlib
+from epgrpo_jax.io.atomic import output_dir
 from epgrpo_jax.io.metrics import read_metrics
 from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.rollout.sampling import shared_programs
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   def run() -> int:
     plan = make_plan(args)
     cfgs = check_plan(plan)
-    plan.out.mkdir(parents=True, exist_ok=True)
+    output_dir(plan.out, "--out")
     if not args.report_only:
       start = time.perf_counter()
       with shared_programs():  # the runs' samplers trace each program shape once

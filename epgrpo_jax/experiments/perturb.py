@@ -57,6 +57,7 @@ import numpy as np
 from epgrpo_jax.data import pipeline
 from epgrpo_jax.evaluation.checkpoints import load_policy
 from epgrpo_jax.io import commandline, configlib
+from epgrpo_jax.io.atomic import output_dir
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.models import load_tokenizer, stop_token_ids
@@ -291,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise UserError(f"--model: no config.json in {model_dir}")
     cfg = _config(args, model_dir)
     tokenizer = load_tokenizer(model_dir)
+    out_dir = output_dir(args.out or model_dir.parent / "perturb", "--out")  # before the model loads
     model = load_policy(model_dir)
     renderer = pipeline.PromptRenderer(tokenizer, cfg.data)
     examples, _ = pipeline.load_examples([cfg.data.heldout_file], renderer, cfg.data,
@@ -305,8 +307,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                       eos_ids=eos, pad_id=pad)
     rng = np.random.default_rng(args.seed)
     key = jax.random.key(args.seed)
-    out_dir = Path(args.out) if args.out else model_dir.parent / "perturb"
-    out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with RewardScorer(cfg.reward) as scorer:
       key, sub = jax.random.split(key)

@@ -69,6 +69,29 @@ def _parses(line: bytes) -> bool:
   return bool(line.strip())
 
 
+def output_dir(path: str | Path, flag: str) -> Path:
+  """Creates the directory a command writes to (`flag` names it); a path that exists and is not
+  a directory, or cannot be created, is a one-line error naming the flag."""
+  path = Path(path)
+  if path.exists() and not path.is_dir():
+    raise UserError(f"{flag} {path}: exists and is not a directory")
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"{flag} {path}: cannot create ({e.strerror})") from None
+  return path
+
+
+def output_file(path: str | Path, flag: str) -> Path:
+  """Checks a file a command will write (`flag` names it) and creates its directory: a path that
+  is a directory, or whose directory cannot be made, is a one-line error naming the flag."""
+  path = Path(path)
+  if path.is_dir():
+    raise UserError(f"{flag} {path}: is a directory; name the file to write")
+  output_dir(path.parent, flag)
+  return path
+
+
 def check_output_paths(root: str | Path, field: str, *, dirs: Iterable[str] = (),
                        files: Iterable[str] = ()) -> None:
   """Raises a one-line error naming `field` if an output under `root` is of the wrong kind: one

@@ -35,6 +35,7 @@ import numpy as np
 import yaml
 
 from epgrpo_jax.io import commandline
+from epgrpo_jax.io.atomic import output_file
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.metrics import token_strings
 from epgrpo_jax.io.paths import path_flag
@@ -387,8 +388,7 @@ def _mesh_for_rows(cfg, rows: int):
 
 def write_page(group: dict[str, Any], out: str | Path, *, title: str = "",
                source: str = "") -> Path:
-  out = Path(out)
-  out.parent.mkdir(parents=True, exist_ok=True)
+  out = output_file(out, "--out")
   out.write_text(render_html(group, title=title, source=source), encoding="utf-8")
   return out
 
@@ -430,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   commandline.setup_logging(args.debug)
 
   def run() -> int:
+    if args.out:  # before any sampling
+      output_file(args.out, "--out")
     if args.checkpoint is not None:
       run_dir = Path(args.checkpoint)
       group = sample_group(run_dir, args.problem, args.answer, num_samples=args.samples,

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from epgrpo_jax.io import commandline
+from epgrpo_jax.io.atomic import check_output_paths, output_dir
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.metrics import read_metrics
 from epgrpo_jax.io.paths import path_flag
@@ -134,8 +135,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path, *,
   if names is not None and len(names) != len(run_dirs):
     raise UserError(f"--names: {len(names)} names for {len(run_dirs)} runs")
   runs = load_runs(run_dirs, names)
-  out_dir = Path(out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
+  out_dir = output_dir(out_dir, "--out")
+  check_output_paths(out_dir, "--out", files=[f"{p.key.replace('/', '_')}.png" for p in panels]
+                     + ["curves.png"])
   smoothing = f"EMA alpha={alpha:g} (raw faint)"
   written: dict[str, Path] = {}
   present = []
