@@ -20,10 +20,12 @@
 # figures in docs/benchmarks.md with the date and the hardware.
 #
 # Installs the package with the `bench` extra unless it is importable already (a CUDA jax
-# must be installed for JAX to see the GPU).
+# must be installed for JAX to see the GPU). Every part runs under $PYTHON (default: the first
+# `python` on PATH); set it to the interpreter of a virtual environment that is not activated.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
+PY="${PYTHON:-python}"
 PEAK=989
 DRY=0
 OUT=""
@@ -48,13 +50,13 @@ if [ "$DRY" = 1 ]; then
   export JAX_PLATFORMS=cpu CUDA_VISIBLE_DEVICES=""
   echo "DRY RUN: tiny shapes on CPU; the figures mean nothing, only that every program runs"
 else
-  if ! python -c "import epgrpo_jax, transformers" 2>/dev/null; then
-    pip install -e ".[bench]" || { echo "install failed"; exit 1; }
+  if ! "$PY" -c "import epgrpo_jax, transformers" 2>/dev/null; then
+    "$PY" -m pip install -e ".[bench]" || { echo "install failed"; exit 1; }
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 fi
 date -u; hostname
-python - <<'PY'
+"$PY" - <<'PY'
 import jax
 print("jax", jax.__version__, jax.devices())
 try:
@@ -75,21 +77,21 @@ run() {  # run SECONDS CMD...: one part, with its time limit
 cd benchmarks
 if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's time budget
   SAMPLER="--prompts 2 --samples 2 --prompt-len 8 --new-tokens 8 --runs 1 --dtype float32"
-  run 300 python sampler_vs_hf.py --preset bench-tiny $SAMPLER
-  run 300 python step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
+  run 300 "$PY" sampler_vs_hf.py --preset bench-tiny $SAMPLER
+  run 300 "$PY" step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
       --samples 2 --prompt-len 8 --new-tokens 8 --lora-rank 2 --peak-tflops "$PEAK"
-  run 300 python attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
+  run 300 "$PY" attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
       --runs 1
 else
   SAMPLER="--prompts 8 --samples 8 --prompt-len 64 --new-tokens 256 --runs 2 --dtype bfloat16"
-  run 100 python sampler_vs_hf.py --preset qwen2.5-0.5b $SAMPLER --peak-tflops "$PEAK"
-  run 120 python sampler_vs_hf.py --preset qwen2.5-1.5b $SAMPLER --peak-tflops "$PEAK"
+  run 100 "$PY" sampler_vs_hf.py --preset qwen2.5-0.5b $SAMPLER --peak-tflops "$PEAK"
+  run 120 "$PY" sampler_vs_hf.py --preset qwen2.5-1.5b $SAMPLER --peak-tflops "$PEAK"
   STEP="--preset qwen2.5-0.5b --dtype bfloat16 --skip-trl --steps 3 --warmup 1 --prompts 8 \
       --samples 8 --prompt-len 64 --new-tokens 256 --peak-tflops $PEAK"
-  run 160 python step_vs_trl.py $STEP
+  run 160 "$PY" step_vs_trl.py $STEP
   rc=$?  # an error (not a time-out) with cuDNN attention: once more with the blockwise path
-  if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then run 120 python step_vs_trl.py $STEP --attention blockwise; fi
-  run 60 python attention.py --preset qwen2.5-1.5b --rows 4 --tokens 4096 --dtype bfloat16 \
+  if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then run 120 "$PY" step_vs_trl.py $STEP --attention blockwise; fi
+  run 60 "$PY" attention.py --preset qwen2.5-1.5b --rows 4 --tokens 4096 --dtype bfloat16 \
       --runs 5
 fi
 echo; echo "total $((SECONDS - START)) s; results written to $OUT"
