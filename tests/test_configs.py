@@ -106,13 +106,13 @@ def _train_commands(text: str) -> list[list[str]]:
 
 
 def test_documented_train_commands_resolve(tmp_path, monkeypatch):
-  """Each training command of the README and docs/distributed.md names a config file and
-  keys that exist, with valid values (parsed, not run; a local tiny model stands in for
+  """Each training command of the README, docs/distributed.md and docs/training.md names a
+  config file and keys that exist, with valid values (parsed, not run; a local tiny model stands in for
   the checkpoint directories they name)."""
   from epgrpo_jax.train import parse_args
   monkeypatch.chdir(ROOT)
   model_dir = tiny_hf_dir(tmp_path / "model")
-  commands = [c for name in ("README.md", "docs/distributed.md")
+  commands = [c for name in ("README.md", "docs/distributed.md", "docs/training.md")
               for c in _train_commands((ROOT / name).read_text())]
   assert len(commands) >= 6
   for argv in commands:
