@@ -160,20 +160,24 @@ class Run:
     return self.finish()
 
 
-def new_steps(run_dir: Path, offset: int) -> list[int]:
-  """Steps of the training metrics lines appended to metrics.jsonl after byte `offset`."""
+def new_steps(run_dir: Path, before: bytes, restored: int) -> list[int]:
+  """Steps of the training records a resumed leg has written to metrics.jsonl. The leg restores
+  step `restored` (0: a fresh start), drops the records of later steps and a cut last line from
+  the file as it found it (`before`), then appends its own."""
   path = run_dir / "metrics.jsonl"
   if not path.is_file():
     return []
-  with open(path, "rb") as f:
-    f.seek(offset)
-    text = f.read().decode()
-  lines = text.split("\n")[:-1]  # only complete lines
-  return [r["step"] for r in map(json.loads, lines) if "reward" in r]
+  now = path.read_bytes()
+  complete = lambda raw: [json.loads(l) for l in raw.split(b"\n")[:-1]]  # whole lines only
+  stale = bool(before) and (not before.endswith(b"\n") or
+                            any(r["step"] > restored for r in complete(before)))
+  if stale and now.startswith(before):
+    return []  # the leg has not repaired the file yet: later steps there are the killed leg's
+  return [r["step"] for r in complete(now) if "reward" in r and r["step"] > restored]
 
 
-def size(path: Path) -> int:
-  return path.stat().st_size if path.is_file() else 0
+def read(path: Path) -> bytes:
+  return path.read_bytes() if path.is_file() else b""
 
 
 @pytest.fixture(scope="module")
@@ -207,20 +211,20 @@ def crash_runs(task, tmp_path_factory):
     # Leg 2: resume; SIGKILL at a random moment after step s2's metrics line.
     s2 = s1 + int(rng.integers(1, 3))
     delay = float(rng.uniform(0.0, 0.25))
-    offset = size(run_dir / "metrics.jsonl")
+    before, restored = read(run_dir / "metrics.jsonl"), max(committed_steps(ckpt), default=0)
     leg = Run("leg2", args, env, base)
     runs.append(leg)
-    leg.wait_for(f"step {s2}", lambda: s2 in new_steps(run_dir, offset), poll_s=0.01)
+    leg.wait_for(f"step {s2}", lambda: s2 in new_steps(run_dir, before, restored), poll_s=0.01)
     time.sleep(delay)
     seen["leg2"] = dict(s2=s2, delay=delay, rc=leg.kill(signal.SIGKILL), stderr=leg.stderr,
                         committed=committed_steps(ckpt))
 
     # Leg 3: resume; SIGTERM right after its first step.
-    offset = size(run_dir / "metrics.jsonl")
+    before, restored = read(run_dir / "metrics.jsonl"), max(committed_steps(ckpt), default=0)
     leg = Run("leg3", args, env, base)
     runs.append(leg)
-    leg.wait_for("a step", lambda: bool(new_steps(run_dir, offset)), poll_s=0.01)
-    first = new_steps(run_dir, offset)[0]
+    leg.wait_for("a step", lambda: bool(new_steps(run_dir, before, restored)), poll_s=0.01)
+    first = new_steps(run_dir, before, restored)[0]
     seen["leg3"] = dict(first=first, rc=leg.kill(signal.SIGTERM), stdout=leg.stdout,
                         stderr=leg.stderr, committed=committed_steps(ckpt),
                         unfinished=unfinished_saves(ckpt))

@@ -34,8 +34,11 @@ def open_for_append(path: str | Path):
   parses and the next record starts on a line of its own."""
   path = Path(path)
   if path.exists() and path.stat().st_size:
-    raw = path.read_bytes()
-    if not raw.endswith(b"\n"):
+    with open(path, "rb") as f:
+      f.seek(-1, os.SEEK_END)
+      whole = f.read(1) == b"\n"
+    if not whole:  # rare: read the file once to find the last line
+      raw = path.read_bytes()
       start = raw.rfind(b"\n") + 1
       if _parses(raw[start:]):
         with open(path, "ab") as f:
