@@ -20,8 +20,13 @@ from epgrpo_jax.io import configlib, paths
 from epgrpo_jax.training.config import TrainConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
-# A config field or flag with such a name names a file or a directory.
-PATH_NAME = re.compile(r"dir|file|path|model|out|checkpoint|config|data|json|^-*runs?$", re.I)
+# A config field or flag with one of these words in its name names a file or a directory.
+PATH_WORDS = {"dir", "file", "files", "path", "model", "out", "checkpoint", "config", "data", "json",
+              "run", "runs"}
+
+
+def path_like(name: str) -> bool:
+  return bool(PATH_WORDS & set(re.split(r"[-_]", name.strip("-").lower())))
 # Path flags whose values are not a bare path, expanded where they are split.
 SPLIT_ELSEWHERE = {"--benchmark-file"}  # NAME=PATH: evalsets.parse_benchmark_files
 
@@ -37,7 +42,7 @@ def path_keys(cls=TrainConfig, prefix: str = "") -> dict[str, typing.Any]:
       continue
     base = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple else tp
     plain = typing.get_args(base)[0] if paths.is_user_path(base) else base
-    if plain is str and PATH_NAME.search(f.name) and not f.name.endswith("_field"):
+    if plain is str and path_like(f.name):
       out[prefix + f.name] = base
   return out
 
@@ -107,7 +112,7 @@ def _path_flags() -> list[tuple[str, str, str]]:
       kw = {k.arg: ast.unparse(k.value) for k in node.keywords}
       flag = node.args[0].value
       tp = kw.get("type", "str")
-      if PATH_NAME.search(flag) and "action" not in kw and (tp in ("str", "Path") or "path_flag" in tp):
+      if path_like(flag) and "action" not in kw and (tp in ("str", "Path") or "path_flag" in tp):
         found.append((str(path.relative_to(REPO)), flag, tp))
   return found
 
