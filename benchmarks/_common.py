@@ -295,39 +295,29 @@ def alternating_medians(calls: dict[str, Callable[[], object]], rounds: int, *,
 # -- FLOPs ----------------------------------------------------------------------------------
 
 
-def matmul_params(cfg) -> int:
-  """Weights a token multiplies through: every linear layer and the LM head (not the lookup)."""
-  d, f, h, k, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                    cfg.head_dim)
-  per_layer = d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f
-  return cfg.num_layers * per_layer + d * cfg.vocab_size
-
-
-def forward_flops(cfg, tokens: int, context: float) -> float:
-  """Forward FLOPs of `tokens` tokens attending over `context` keys on average."""
-  attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
-  return tokens * (2 * matmul_params(cfg) + attention)
-
-
 def step_flops(cfg, shape: "Shape", *, lora: bool = True, fused: bool = False) -> dict[str, float]:
-  """Model FLOPs of one RL step by phase (sampling, scoring + reference, update).
+  """Model FLOPs of one RL step of `shape` (every prompt `prompt_len` tokens, every completion
+  `new_tokens`) by the program they run in: sampling, scoring (policy + reference forwards;
+  0 with the fused update, `train.fused_update`), update (forward + backward, plus the
+  reference forward when fused), total; and "update_attention", "update_head" (the update's
+  shares). The one FLOP model: `epgrpo_jax.models.flops`."""
+  from epgrpo_jax.models import flops
 
-  Sampling: one forward per new token over the cache (average context Tp +
-  N/2). Scoring and reference: two forwards over Tp + N tokens (causal: Tp/2 +
-  N/2 keys on average); with the fused update (`train.fused_update`) only the
-  reference forward, the update's own forward standing in for the scoring pass.
-  Update: forward + backward; the backward costs one forward for activation
-  gradients, plus one more for weight gradients with full fine-tuning (LoRA's
-  weight gradients are negligible): 2x or 3x a forward.
-  """
   rows = shape.prompts * shape.samples
-  seq = shape.prompt_len + shape.new_tokens
-  sampling = forward_flops(cfg, rows * shape.new_tokens, shape.prompt_len + shape.new_tokens / 2)
-  one_pass = forward_flops(cfg, rows * seq, seq / 2)
-  scoring = one_pass * (1 if fused else 2)
-  update = one_pass * (2 if lora else 3)
-  return {"sampling": sampling, "scoring": scoring, "update": update,
-          "total": sampling + scoring + update}
+  by_phase = flops.step(cfg, [shape.prompt_len] * shape.prompts, [shape.new_tokens] * rows,
+                        shape.samples, full_finetune=not lora, fused=fused)
+  out = {name: f.total for name, f in by_phase.items()}
+  out.update(update_attention=by_phase["update"].attention, update_head=by_phase["update"].head)
+  return out
+
+
+def sampling_flops_per_token(cfg, prompts: int, samples: int, prompt_len: int,
+                             new_tokens: int) -> float:
+  """The sampler's model FLOPs per completion token (prefill included; `models.flops`)."""
+  from epgrpo_jax.models import flops
+
+  done = flops.sampling(cfg, [prompt_len] * prompts, [new_tokens] * (prompts * samples), samples)
+  return done.total / (prompts * samples * new_tokens)
 
 
 # -- a step timed phase by phase ----------------------------------------------------------------

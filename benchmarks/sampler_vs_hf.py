@@ -218,7 +218,7 @@ def main():
             f"compile {st['compile_s']:.1f}s (first call {st['first_s']:.1f}s), peak RSS "
             f"+{st['rss']:.0f} MiB (first call +{st['rss_first']:.0f} MiB)", flush=True)
       if args.peak_tflops:
-        per_token = C.forward_flops(cfg, 1, args.prompt_len + args.new_tokens / 2)
+        per_token = C.sampling_flops_per_token(cfg, num_prompts, g, args.prompt_len, args.new_tokens)
         print(f"  ours: sampling MFU {mine * per_token / (args.peak_tflops * 1e12):.2%} "
               f"(peak {args.peak_tflops:g} TFLOP/s, {per_token / 1e9:.2f} GFLOP per token)")
       if "transformers" in r:

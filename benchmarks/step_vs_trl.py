@@ -272,8 +272,10 @@ def main(argv=None):
           f"load average during the timed steps: ours {o['load']:.2f}, TRL {t['load']:.2f}")
     result["ratio"] = ratio
   flops = C.step_flops(cfg, shape, fused=ours.trainer.fused)
-  print(f"model FLOPs per step: {flops['total'] / 1e9:.1f} GFLOP (sampling {flops['sampling'] / 1e9:.1f},"
-        f" scoring+reference {flops['scoring'] / 1e9:.1f}, update {flops['update'] / 1e9:.1f}); "
+  print(f"model FLOPs per step (models/flops.py, each pass where it runs): {flops['total'] / 1e9:.1f} "
+        f"GFLOP (sampling {flops['sampling'] / 1e9:.1f}, scoring+reference {flops['scoring'] / 1e9:.1f}, "
+        f"update {flops['update'] / 1e9:.1f}{' with the reference forward' if ours.trainer.fused else ''}:"
+        f" attention {flops['update_attention'] / 1e9:.1f}, head {flops['update_head'] / 1e9:.1f}); "
         f"ours achieves {flops['total'] / o['step'] / 1e9:.1f} GFLOP/s")
   if args.peak_tflops:
     peak = args.peak_tflops * 1e12

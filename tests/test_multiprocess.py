@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from epgrpo_jax.tasks import arithmetic
 
 pytestmark = pytest.mark.slow
-TIMING = ("time", "tokens_per_second")
+TIMING = ("time", "tokens_per_second", "perf/")
 
 
 def digit_reward(completions: list[str], answers: list[str]) -> list[float]:

@@ -364,7 +364,7 @@ def digit_reward(completions: list[str], answers: list[str]) -> list[float]:
 
 
 TIMINGS = ("step_time", "sample_time", "update_time", "tokens_per_second",
-           "sampling/tokens_per_second", "train/tokens_per_second")
+           "sampling/tokens_per_second", "train/tokens_per_second", "perf/update_tflops", "perf/mfu")
 
 
 @pytest.mark.parametrize("extra", [

@@ -39,7 +39,7 @@ SEED = 20240917  # the kill points
 TMP_MARK = ".orbax-checkpoint-tmp"
 # Metrics that measure time; every other metric of a step must match exactly.
 TIMING = {"step_time", "sample_time", "update_time", "tokens_per_second",
-          "sampling/tokens_per_second", "train/tokens_per_second"}
+          "sampling/tokens_per_second", "train/tokens_per_second", "perf/update_tflops", "perf/mfu"}
 REWARD_MODULE = '''
 def graded(completions, answers):
   """Deterministic rewards that differ within a group (a random policy never answers right)."""

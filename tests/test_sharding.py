@@ -25,7 +25,7 @@ MESHES = [pytest.param((2, 2, 2), id="2x2x2"),
           pytest.param((2, 4, 1), id="2x4x1", marks=pytest.mark.slow)]
 STEPS = 3
 # Metrics that are clocks, not results.
-TIMING = ("time", "tokens_per_second")
+TIMING = ("time", "tokens_per_second", "perf/")
 
 
 @pytest.fixture(scope="module")

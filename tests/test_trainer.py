@@ -137,7 +137,7 @@ def test_reference_pass_uses_adapters_off(task, tmp_path):
 
 
 TIMINGS = ("step_time", "sample_time", "update_time", "tokens_per_second",
-           "sampling/tokens_per_second", "train/tokens_per_second")
+           "sampling/tokens_per_second", "train/tokens_per_second", "perf/update_tflops", "perf/mfu")
 
 
 @pytest.mark.parametrize("overrides", [(), ("model.remat=true",), ("model.full_finetune=true",),

@@ -185,10 +185,15 @@ class LoggingConfig:
   wandb_project: str = ""  # set to log to W&B as well (when installed)
   samples_every: int = 10  # RL steps between dumps of sampled completions (0: never)
   samples_count: int = 4  # groups per dump
+  # Peak TFLOP/s per chip behind `perf/mfu` (0: the dense bf16 peak of a known device kind,
+  # models/flops.py; no `perf/mfu` on an unknown one, e.g. a CPU).
+  peak_tflops: float = 0.0
 
   def __post_init__(self):
     if self.samples_every < 0 or self.samples_count < 0:
       raise UserError("logging.samples_every, logging.samples_count: must be >= 0")
+    if self.peak_tflops < 0:
+      raise UserError(f"logging.peak_tflops: must be >= 0, got {self.peak_tflops}")
 
 
 @dataclasses.dataclass(frozen=True)

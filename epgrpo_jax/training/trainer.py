@@ -25,6 +25,7 @@ from epgrpo_jax.io.atomic import check_output_paths
 from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.metrics import MetricsWriter
+from epgrpo_jax.models import flops
 from epgrpo_jax.models import (check_vocab, from_pretrained, load_hf_config, load_tokenizer, save_pretrained,
                                stop_token_ids)
 from epgrpo_jax.parallel import distributed, sharding
@@ -311,7 +312,8 @@ class Trainer:
     update_start = time.perf_counter()
     trainable, opt_state = state.trainable, state.opt_state
     update_metrics = []
-    if not c.scored:  # one program: score, reference, advantage, update
+    fused = not c.scored
+    if fused:  # one program: score, reference, advantage, update
       trainable, opt_state, m, s = self.fns.fused_update(
           trainable, opt_state, self.policy.frozen, self.policy.reference, c.rollout,
           c.rewards_PxG)
@@ -368,6 +370,11 @@ class Trainer:
         "reward_timeouts": float(c.rewards.timeouts),
         "reward_errors": float(c.rewards.errors),
     })
+    metrics.update(flops.update_performance(
+        self.model_cfg, c.host.prompt_mask.sum(1), c.completion_mask_BxN.sum(1), G, update_time,
+        full_finetune=cfg.model.full_finetune, fused=fused, iterations=t.num_iterations,
+        peak=flops.peak_flops(jax.devices()[0].device_kind, cfg.logging.peak_tflops),
+        chips=jax.device_count()))
     return new_state, metrics, c.record()
 
   def sample_round(self, trainable: nnx.State, key: jax.Array,

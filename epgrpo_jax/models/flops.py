@@ -1,0 +1,158 @@
+"""Model FLOPs of the RL step's passes, counted in the program where each pass runs: the one
+count behind every benchmark's MFU and the trainer's `perf/mfu` metric.
+
+Model FLOPs, not hardware FLOPs: 2 per multiply-add of the model's matrix products on the
+tokens that matter (each sequence's prompt and completion tokens but the last, which needs no
+forward; the LM head only where a completion token is predicted), whatever padding, packing
+slots, rematerialisation or LoRA's small adapter products add on the device. So padding and
+recomputation lower the MFU instead of raising it.
+
+- linear: the decoder layers' projections (q, k, v, o, gate, up, down): `layer_params` per
+  layer and token.
+- attention: q.k and p.v, 2 x num_heads x head_dim multiply-adds per (query, visible key)
+  pair and layer, over the causal half only: a sequence of n tokens has n (n + 1) / 2 pairs.
+- head: hidden_size x vocab_size per predicted token (the embedding lookup is free).
+
+Backward: activation gradients cost one forward of every product; weight gradients one more
+forward of the trained products only: the linear layers and (untied or tied) head under full
+fine-tuning, neither under LoRA (its base weights and head are frozen). Attention has no
+weights; its backward is 2 forwards (dq, dk, dv, dp).
+
+Where the passes run: the sampler (prefill once per prompt, then one token per row and step);
+the scoring program (the policy's forward and the reference forward), unless the update is
+fused (`train.fused_update`): then the update program runs the reference forward and its own
+differentiated forward stands in for the scoring pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+  """FLOPs of some passes split by where they go."""
+
+  linear: float = 0.0
+  attention: float = 0.0
+  head: float = 0.0
+
+  @property
+  def total(self) -> float:
+    return self.linear + self.attention + self.head
+
+  def __add__(self, other: "Flops") -> "Flops":
+    return Flops(self.linear + other.linear, self.attention + other.attention,
+                 self.head + other.head)
+
+  def scaled(self, linear: float, attention: float, head: float) -> "Flops":
+    return Flops(self.linear * linear, self.attention * attention, self.head * head)
+
+
+def layer_params(cfg) -> int:
+  """Weights one token multiplies through in one decoder layer (biases and norms left out)."""
+  d, f, h, k, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                    cfg.head_dim)
+  return d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f
+
+
+def causal_pairs(lengths: Sequence[int]) -> int:
+  """(query, visible key) pairs of causal attention over sequences of these lengths."""
+  n = np.asarray(lengths, np.int64)
+  return int(np.sum(n * (n + 1) // 2))
+
+
+def forward(cfg, lengths: Sequence[int], head_tokens: int) -> Flops:
+  """One forward over sequences of `lengths` tokens (each attending causally within itself),
+  the head at `head_tokens` of them."""
+  tokens = int(np.sum(np.asarray(lengths, np.int64)))
+  return Flops(linear=2.0 * cfg.num_layers * layer_params(cfg) * tokens,
+               attention=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * causal_pairs(lengths),
+               head=2.0 * cfg.hidden_size * cfg.vocab_size * head_tokens)
+
+
+def backward(fwd: Flops, *, full_finetune: bool) -> Flops:
+  """The backward pass of the forward `fwd`: activation gradients everywhere, weight gradients
+  of the trained products (full fine-tuning: linear layers and head)."""
+  weights = 1.0 if full_finetune else 0.0
+  return fwd.scaled(linear=1.0 + weights, attention=2.0, head=1.0 + weights)
+
+
+def sampling(cfg, prompt_lengths: Sequence[int], completion_lengths: Sequence[int],
+             samples: int) -> Flops:
+  """The sampler: each of P prompts (`prompt_lengths`) prefilled once (the head at its last
+  token, whose logits give its G rows' first tokens), then its `samples` rows
+  (`completion_lengths`, P x G in row order) fed one completion token a step but the last
+  (the head at each)."""
+  prompts = np.asarray(prompt_lengths, np.int64)
+  completions = np.asarray(completion_lengths, np.int64)
+  rows_prompt = np.repeat(prompts, samples)
+  fed = rows_prompt + np.maximum(completions - 1, 0)  # the last token is never fed
+  # per row: the pairs of its whole sequence less those of the shared prompt, counted once
+  pairs = causal_pairs(fed) - causal_pairs(rows_prompt) + causal_pairs(prompts)
+  tokens = int(prompts.sum() + (fed - rows_prompt).sum())
+  return Flops(linear=2.0 * cfg.num_layers * layer_params(cfg) * tokens,
+               attention=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs,
+               head=2.0 * cfg.hidden_size * cfg.vocab_size * (len(prompts) + int((fed - rows_prompt).sum())))
+
+
+def step(cfg, prompt_lengths: Sequence[int], completion_lengths: Sequence[int], samples: int, *,
+         full_finetune: bool = False, fused: bool = False, iterations: int = 1) -> dict[str, Flops]:
+  """Model FLOPs of one RL step by the program they run in: "sampling", "scoring" (the
+  policy's and the reference forward; nothing when `fused`), "update" (forward + backward per
+  iteration, plus the reference forward when `fused`) and "total". Lengths: the P prompts'
+  and the P x G completions' real tokens (row order)."""
+  prompts = np.repeat(np.asarray(prompt_lengths, np.int64), samples)
+  completions = np.asarray(completion_lengths, np.int64)
+  lengths = np.where(completions > 0, prompts + completions - 1, 0)
+  one = forward(cfg, lengths, int(completions.sum()))
+  train = one + backward(one, full_finetune=full_finetune)
+  update = Flops()
+  for _ in range(iterations):
+    update = update + train
+  scoring = one + one  # the policy's forward and the reference forward
+  if fused:
+    update, scoring = update + one, Flops()
+  out = {"sampling": sampling(cfg, prompt_lengths, completion_lengths, samples),
+         "scoring": scoring, "update": update}
+  out["total"] = out["sampling"] + out["scoring"] + out["update"]
+  return out
+
+
+# Dense bf16 peak FLOP/s per chip by `jax.Device.device_kind` (vendors' data sheets, no
+# sparsity); the first key that the device kind contains wins.
+PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+             ("A100", 312e12), ("L40S", 362e12), ("TPU v6", 918e12), ("TPU v5p", 459e12),
+             ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v4", 275e12))
+
+
+def peak_flops(device_kind: str, override_tflops: float = 0.0) -> float | None:
+  """The chip's dense bf16 peak FLOP/s: `override_tflops` x 1e12 when set, else by
+  `device_kind` (`PEAK_BF16`); None when unknown (a CPU)."""
+  if override_tflops > 0:
+    return override_tflops * 1e12
+  return next((peak for name, peak in PEAK_BF16 if name in device_kind), None)
+
+
+def mfu(flops: float, seconds: float, peak: float | None, chips: int = 1) -> float | None:
+  """Model FLOPs utilisation: `flops` done in `seconds` over `chips` chips of `peak` FLOP/s."""
+  if not peak or seconds <= 0:
+    return None
+  return flops / seconds / (peak * chips)
+
+
+def update_performance(cfg, prompt_lengths, completion_lengths, samples: int, seconds: float, *,
+                       full_finetune: bool, fused: bool, iterations: int, peak: float | None,
+                       chips: int) -> dict[str, float]:
+  """The trainer's `perf/*` metrics of one step's update program(s), run in `seconds`:
+  `perf/update_tflops` (model TFLOP/s over all chips) and, with a known `peak`, `perf/mfu`."""
+  done = step(cfg, prompt_lengths, completion_lengths, samples, full_finetune=full_finetune,
+              fused=fused, iterations=iterations)["update"].total
+  out = {"perf/update_tflops": done / max(seconds, 1e-9) / 1e12}
+  used = mfu(done, seconds, peak, chips)
+  if used is not None:
+    out["perf/mfu"] = used
+  return out
