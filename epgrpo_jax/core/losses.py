@@ -82,11 +82,15 @@ def _logits(h_CxD, head_DxV, c0, vc: int, temperature: float):
 
 
 def _dlogits(z_CxV, cols_V, t_C, lse_C, mean_C, glogp_C, gent_C, temperature: float):
-  """Cotangent of the raw logits: d logp/dz = onehot - p, d H/dz = -p (z - E[z])."""
+  """Cotangent of the raw logits: d logp/dz = onehot - p, d H/dz = -p (z - E[z]); a cotangent
+  that is None (a symbolic zero) drops its term."""
   p_CxV = jnp.exp(z_CxV - lse_C[:, None])
-  onehot_CxV = (cols_V[None, :] == t_C[:, None]).astype(_F32)
-  dz_CxV = (glogp_C[:, None] * (onehot_CxV - p_CxV)
-            - gent_C[:, None] * p_CxV * (z_CxV - mean_C[:, None]))
+  dz_CxV = jnp.zeros_like(z_CxV)
+  if glogp_C is not None:
+    onehot_CxV = (cols_V[None, :] == t_C[:, None]).astype(_F32)
+    dz_CxV = glogp_C[:, None] * (onehot_CxV - p_CxV)
+  if gent_C is not None:
+    dz_CxV = dz_CxV - gent_C[:, None] * p_CxV * (z_CxV - mean_C[:, None])
   return dz_CxV / temperature
 
 
@@ -141,63 +145,97 @@ def _chunked_stats(h_NxD, head_DxV, t_N, temperature, tc, vc):
   return logp_N, entropy_N
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Wanted:
+  """Which gradients the backward pass forms (static: a frozen head under LoRA needs none)."""
+
+  hidden: bool
+  head: bool
+
+
 def _chunked_stats_fwd(h_NxD, head_DxV, t_N, temperature, tc, vc):
+  """Symbolic-zeros forward rule: the primals come with whether each is differentiated."""
+  wanted = _Wanted(hidden=h_NxD.perturbed, head=head_DxV.perturbed)
+  h_NxD, head_DxV, t_N = h_NxD.value, head_DxV.value, t_N.value
   logp_N, entropy_N, lse_N, mean_N = _forward(h_NxD, head_DxV, t_N, temperature, tc, vc)
-  return (logp_N, entropy_N), (h_NxD, head_DxV, t_N, lse_N, mean_N)
+  return (logp_N, entropy_N), (h_NxD, head_DxV, t_N, lse_N, mean_N, wanted)
+
+
+def _cotangent(g):
+  """An output's cotangent as float32, or None where it is a symbolic zero."""
+  return None if isinstance(g, jax.custom_derivatives.SymbolicZero) else g.astype(_F32)
 
 
 def _chunked_stats_bwd(temperature, tc, vc, res, cotangents):
-  """Two passes, each recomputing logits chunk by chunk: one for d hidden, one for d head.
+  """One pass over the (token chunk, vocabulary chunk) pairs: each chunk's logits are
+  recomputed once, exponentiated once (`_dlogits`), and feed both gradients, d hidden (dz W^T)
+  and, when the head is differentiated, d head (h^T dz).
 
-  Separate passes keep the accumulators small and let XLA drop the head pass
-  when only the hidden gradient is used (LoRA).
+  With the head gradient the vocabulary chunks run outside (each chunk's d head accumulates
+  over the token chunks in a [D, vc] float32 block; d hidden in one [N, D] float32 array);
+  without it (LoRA) the token chunks run outside, each accumulating its [tc, D] d hidden
+  block over the vocabulary. A chunk pulled back to end at the array's end masks the rows
+  or columns its predecessor covered, so nothing is counted twice.
   """
-  h_NxD, head_DxV, t_N, lse_N, mean_N = res
-  glogp_N, gent_N = (g.astype(_F32) for g in cotangents)
+  h_NxD, head_DxV, t_N, lse_N, mean_N, wanted = res
+  glogp_N, gent_N = (_cotangent(g) for g in cotangents)
+  if (glogp_N is None and gent_N is None) or not (wanted.hidden or wanted.head):
+    return None, None, None
   (n, d), v = h_NxD.shape, head_DxV.shape[1]
   num_t, num_v = -(-n // tc), -(-v // vc)
-  rows = lambda a, r0: lax.dynamic_slice_in_dim(a, r0, tc)
+  rows = lambda a, r0: None if a is None else lax.dynamic_slice_in_dim(a, r0, tc)
 
-  def dlogits(h_CxD, r0, c0):
+  def chunk(i, j):
+    """(h chunk, head chunk, dz of the fresh rows and columns, dz of the fresh rows)."""
+    r0, c0 = _chunk_start(i, tc, n), _chunk_start(j, vc, v)
+    h_CxD = rows(h_NxD, r0)
     z_CxV, w_DxC = _logits(h_CxD, head_DxV, c0, vc, temperature)
     dz_CxV = _dlogits(z_CxV, c0 + jnp.arange(vc), rows(t_N, r0), rows(lse_N, r0),
                       rows(mean_N, r0), rows(glogp_N, r0), rows(gent_N, r0), temperature)
-    return dz_CxV, w_DxC
+    dz_rows = jnp.where((r0 + jnp.arange(tc) >= i * tc)[:, None], dz_CxV, 0.0)
+    dz_fresh = jnp.where((c0 + jnp.arange(vc) >= j * vc)[None, :], dz_rows, 0.0)
+    return r0, c0, h_CxD, w_DxC, dz_fresh, dz_rows
 
-  def hidden_chunk(i, dh_NxD):
-    r0 = _chunk_start(i, tc, n)
-    h_CxD = rows(h_NxD, r0)
+  dh_to_rows = lambda dz_CxV, w_DxC: jnp.einsum("cv,dv->cd", dz_CxV, w_DxC,
+                                                preferred_element_type=_F32)
+  if not wanted.head:  # d hidden only: token chunks outside
+    def hidden_chunk(i, dh_NxD):
+      def add(j, acc_CxD):
+        _, _, _, w_DxC, dz_fresh, _ = chunk(i, j)
+        return acc_CxD + dh_to_rows(dz_fresh, w_DxC)
 
-    def add(j, acc_CxD):
-      c0 = _chunk_start(j, vc, v)
-      dz_CxV, w_DxC = dlogits(h_CxD, r0, c0)
-      dz_CxV = jnp.where((c0 + jnp.arange(vc) >= j * vc)[None, :], dz_CxV, 0.0)
-      return acc_CxD + jnp.einsum("cv,dv->cd", dz_CxV, w_DxC, preferred_element_type=_F32)
+      acc_CxD = lax.fori_loop(0, num_v, add, jnp.zeros((tc, d), _F32))
+      # Rows shared with the previous chunk get their (masked) zero share added.
+      return lax.dynamic_update_slice_in_dim(
+          dh_NxD, rows(dh_NxD, _chunk_start(i, tc, n)) + acc_CxD, _chunk_start(i, tc, n), 0)
 
-    acc_CxD = lax.fori_loop(0, num_v, add, jnp.zeros((tc, d), _F32))
-    # Rows shared with the previous chunk are rewritten with the same values.
-    return lax.dynamic_update_slice_in_dim(dh_NxD, acc_CxD.astype(dh_NxD.dtype), r0, 0)
+    dh_NxD = lax.fori_loop(0, num_t, hidden_chunk, jnp.zeros((n, d), _F32))
+    return dh_NxD.astype(h_NxD.dtype), None, None
 
-  def head_chunk(j, dw_DxV):
-    c0 = _chunk_start(j, vc, v)
+  def head_chunk(j, carry):
+    dh_NxD, dw_DxV = carry
 
-    def add(i, acc_DxC):
-      r0 = _chunk_start(i, tc, n)
-      h_CxD = rows(h_NxD, r0)
-      dz_CxV, _ = dlogits(h_CxD, r0, c0)
-      dz_CxV = jnp.where((r0 + jnp.arange(tc) >= i * tc)[:, None], dz_CxV, 0.0)
-      return acc_DxC + jnp.einsum("cd,cv->dv", h_CxD, dz_CxV, preferred_element_type=_F32)
+    def add(i, inner):
+      dh_NxD, acc_DxC = inner
+      r0, _, h_CxD, w_DxC, dz_fresh, dz_rows = chunk(i, j)
+      if wanted.hidden:
+        dh_NxD = lax.dynamic_update_slice_in_dim(dh_NxD, rows(dh_NxD, r0)
+                                                 + dh_to_rows(dz_fresh, w_DxC), r0, 0)
+      acc_DxC = acc_DxC + jnp.einsum("cd,cv->dv", h_CxD, dz_rows, preferred_element_type=_F32)
+      return dh_NxD, acc_DxC
 
-    acc_DxC = lax.fori_loop(0, num_t, add, jnp.zeros((d, vc), _F32))
+    dh_NxD, acc_DxC = lax.fori_loop(0, num_t, add, (dh_NxD, jnp.zeros((d, vc), _F32)))
     # Columns shared with the previous chunk are rewritten with the same values.
-    return lax.dynamic_update_slice_in_dim(dw_DxV, acc_DxC.astype(dw_DxV.dtype), c0, 1)
+    c0 = _chunk_start(j, vc, v)
+    return dh_NxD, lax.dynamic_update_slice_in_dim(dw_DxV, acc_DxC.astype(dw_DxV.dtype), c0, 1)
 
-  dh_NxD = lax.fori_loop(0, num_t, hidden_chunk, jnp.zeros_like(h_NxD))
-  dw_DxV = lax.fori_loop(0, num_v, head_chunk, jnp.zeros_like(head_DxV))
-  return dh_NxD, dw_DxV, None
+  dh_NxD = jnp.zeros((n, d) if wanted.hidden else (0, d), _F32)
+  dh_NxD, dw_DxV = lax.fori_loop(0, num_v, head_chunk, (dh_NxD, jnp.zeros_like(head_DxV)))
+  return (dh_NxD.astype(h_NxD.dtype) if wanted.hidden else None), dw_DxV, None
 
 
-_chunked_stats.defvjp(_chunked_stats_fwd, _chunked_stats_bwd)
+_chunked_stats.defvjp(_chunked_stats_fwd, _chunked_stats_bwd, symbolic_zeros=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,8 @@ differentiated forward stands in for the scoring pass.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Sequence
 
 import numpy as np
@@ -156,3 +158,62 @@ def update_performance(cfg, prompt_lengths, completion_lengths, samples: int, se
   if used is not None:
     out["perf/mfu"] = used
   return out
+
+
+# -- what XLA compiled ------------------------------------------------------------------------
+
+_SHAPE = re.compile(r"=\s*[a-z]+[0-9]*\[([0-9,]*)\]")
+_CALLEES = re.compile(r"(?:calls|body|to_apply|branch_computations)=\{?%?([\w.\-]+)")
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """{computation name ("ENTRY" for the entry): its instruction lines} of an HLO module's text."""
+  comps: dict[str, list[str]] = {}
+  name = None
+  for line in hlo_text.splitlines():
+    head = re.match(r"^(ENTRY )?%?([\w.\-]+) \(.*\{$", line)
+    if head:
+      name = "ENTRY" if head.group(1) else head.group(2)
+      comps[name] = []
+    elif name is not None and line.strip() not in ("", "}"):
+      comps[name].append(line.strip())
+  return comps
+
+
+def _dims(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+def _operand_dims(lines: list[str], operand: str, hlo_text: str) -> list[int]:
+  """Dimensions of `operand`: an instruction of the computation, else a parameter."""
+  for ins in lines:
+    if ins.startswith(f"%{operand} =") or ins.startswith(f"{operand} ="):
+      return _dims(_SHAPE.search(ins).group(1))
+  return _dims(re.search(rf"\b{re.escape(operand)}: [a-z]+[0-9]*\[([0-9,]*)\]", hlo_text).group(1))
+
+
+def hlo_counts(hlo_text: str) -> dict[str, float]:
+  """{"dot_flops", "exp"} of an optimized HLO module's text (`compiled.as_text()`): 2 x the
+  multiply-adds of every dot and the elements of every exponential, each loop body counted
+  `known_trip_count` times (XLA's `cost_analysis()` counts a loop's body once)."""
+  comps = _computations(hlo_text)
+
+  def count(comp: str) -> tuple[float, float]:
+    flops = exps = 0.0
+    for ins in comps.get(comp, []):
+      out = _SHAPE.search(ins)
+      if " dot(" in ins and out:
+        lhs = _operand_dims(comps[comp], re.search(r"dot\(%?([\w.\-]+)", ins).group(1), hlo_text)
+        contract = _dims(re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins).group(1))
+        flops += 2.0 * math.prod(_dims(out.group(1))) * math.prod(lhs[i] for i in contract)
+      elif " exponential(" in ins and out:
+        exps += math.prod(_dims(out.group(1)))
+      trips = re.search(r'known_trip_count":\{"n":"([0-9]+)"', ins) if " while(" in ins else None
+      for callee in _CALLEES.findall(ins):
+        f, e = count(callee)
+        flops += (int(trips.group(1)) if trips else 1) * f
+        exps += (int(trips.group(1)) if trips else 1) * e
+    return flops, exps
+
+  flops, exps = count("ENTRY")
+  return {"dot_flops": flops, "exp": exps}
