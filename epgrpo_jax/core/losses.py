@@ -65,9 +65,10 @@ def token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array, targets_
   n = b * t
   if n == 0:
     return jnp.zeros((b, t), _F32), jnp.zeros((b, t), _F32)
-  logp_N, entropy_N = _chunked_stats(hidden_BxTxD.reshape(n, d), head_DxV,
-                                     targets_BxT.reshape(n).astype(jnp.int32),
-                                     float(temperature), min(token_chunk, n), min(vocab_chunk, v))
+  with jax.named_scope("lm_head"):  # a profile's head share (benchmarks/update_gpu.py)
+    logp_N, entropy_N = _chunked_stats(hidden_BxTxD.reshape(n, d), head_DxV,
+                                       targets_BxT.reshape(n).astype(jnp.int32), float(temperature),
+                                       min(token_chunk, n), min(vocab_chunk, v))
   return logp_N.reshape(b, t), entropy_N.reshape(b, t)
 
 

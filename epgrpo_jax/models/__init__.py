@@ -1,5 +1,6 @@
 """Qwen2 model, LoRA and checkpoint I/O."""
 
+from epgrpo_jax.models._attention import resolve as resolve_attention
 from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraConfig, ModelConfig,
                                       as_dtype, preset)
 from epgrpo_jax.models._lora import (BASE, LORA, Linear, dense_products, lora_layers, merge_lora,

@@ -19,8 +19,8 @@ segment: `segments_BxS[b, s] == segments_BxS[b, offset + t]`:
   a query block and the model's fenced unrolled loop (`_loop`) leaves to XLA's
   scheduler. Key blocks wholly after a query block's last query are skipped when the
   query offset is a Python int.
-- "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (fused flash
-  attention; GPU, bf16/fp16 only).
+- "cudnn" is cuDNN's fused flash attention (GPU, bf16/fp16 only); without a cache it gets
+  each row's runs of one segment as lengths and offsets (`segment_runs`), no mask array.
 - "cpu" is `kernels.cpu.causal_attention` (float32 C++, forward and backward) for passes
   without a cache in a single-device program: it takes q, k and v in the projections'
   layout (no transposes), skips the causal upper half of the scores, and recomputes the
@@ -257,28 +257,103 @@ def blockwise(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0,
   return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
 
 
-def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
-          implementation: str | None = "cudnn", segments_BxS=None):
-  """The same attention through `jax.nn.dot_product_attention` (cuDNN flash attention on GPU;
-  `implementation="xla"` runs its reference path anywhere, for tests).
+def segment_runs(valid_BxS, segments_BxS, max_runs: int):
+  """Each row's runs of consecutive valid slots of one segment, as cuDNN's packed layout takes
+  them: (lengths_BxM int32 [B, max_runs], starts_BxM1 int32 [B, max_runs + 1], both -1 past the
+  row's last run; overflow_B bool: the row has more than `max_runs` runs, the ones past it
+  dropped, or a segment's valid slots are not contiguous: runs cannot express such a row).
+  A padded row (left-padded prompt, completion, right padding) is one run; a packed row one
+  run per sequence. O(B x S): no [S, S] array."""
+  b, s = valid_BxS.shape
+  valid = valid_BxS.astype(bool)
+  seg = jnp.zeros((b, s), jnp.int32) if segments_BxS is None else segments_BxS.astype(jnp.int32)
+  prev_valid = jnp.pad(valid[:, :-1], ((0, 0), (1, 0)))
+  prev_seg = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)))
+  start_BxS = valid & (~prev_valid | (seg != prev_seg))
+  run_BxS = jnp.cumsum(start_BxS, axis=1, dtype=jnp.int32) - 1
+  count_B = run_BxS[:, -1] + 1
+  # The segment of the last valid slot before each slot: the same at a run's start means a hole.
+  last_BxS = jax.lax.cummax(jnp.where(valid, jnp.arange(s), -1), axis=1)
+  before_BxS = jnp.pad(last_BxS[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  split_B = jnp.any(start_BxS & (before_BxS >= 0)
+                    & (jnp.take_along_axis(seg, jnp.maximum(before_BxS, 0), axis=1) == seg), axis=1)
+  rows_Bx1 = jnp.arange(b)[:, None]
+  lengths = jnp.zeros((b, max_runs), jnp.int32).at[
+      rows_Bx1, jnp.where(valid, run_BxS, max_runs)].add(1, mode="drop")
+  lengths = jnp.where(jnp.arange(max_runs)[None, :] < count_B[:, None], lengths, -1)
+  starts = jnp.full((b, max_runs + 1), -1, jnp.int32).at[
+      rows_Bx1, jnp.where(start_BxS & (run_BxS < max_runs), run_BxS, max_runs + 1)].set(
+          jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), mode="drop")
+  return lengths, starts, (count_B > max_runs) | split_B
 
-  cuDNN takes a mask as a bias, and with a bias its backward pass needs even query and key
-  lengths: an odd length gets one more slot, a query that sees every real key (so that its
-  softmax stays finite; its output is dropped) or a key that no query sees."""
+
+def runs_visible(lengths_BxM, starts_BxM1, slots: int):
+  """[B, S, S] bool: the mask cuDNN's packed causal attention applies to `segment_runs`' runs
+  (query i sees key j iff both are in one run and j <= i). For tests and the "xla" path."""
+  ends_BxM = starts_BxM1[:, :-1] + jnp.maximum(lengths_BxM, 0)
+  slot_S = jnp.arange(slots)
+  in_BxMxS = ((slot_S[None, None, :] >= starts_BxM1[:, :-1, None])
+              & (slot_S[None, None, :] < ends_BxM[:, :, None]) & (lengths_BxM[:, :, None] > 0))
+  same_BxSxS = jnp.einsum("bmq,bmk->bqk", in_BxMxS.astype(jnp.int32), in_BxMxS.astype(jnp.int32)) > 0
+  return same_BxSxS & (slot_S[None, None, :] <= slot_S[None, :, None])
+
+
+def _packed_cudnn(q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd, lengths_BxM, starts_BxM1):
+  """cuDNN flash attention over packed runs, causal within each (mask PADDING_CAUSAL with
+  per-run lengths and offsets): no mask or bias array at all. `jax.nn.dot_product_attention`
+  takes per-row lengths only, so this calls the function behind it, which takes the runs'
+  offsets too (a packed layout: Hopper GPUs or newer)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  hd = q_BxTxNxHd.shape[-1]
+  return fa.dot_product_attention(
+      q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
+      q_offsets=starts_BxM1, kv_offsets=starts_BxM1, scale=float(1.0 / np.sqrt(hd)),
+      mask_type=fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+
+
+def cudnn(q_BxKxGxTxHd, keys_BxKxHdxS, values_BxKxSxHd, valid_BxS, offset=0, *,
+          implementation: str | None = "cudnn", segments_BxS=None, max_segments: int = 16):
+  """The same attention through cuDNN's fused flash attention (GPU, bf16/fp16 only);
+  `implementation="xla"` runs the same arguments through jax.nn's reference path anywhere
+  (tests).
+
+  Without a cache (training, scoring: offset 0, T = S) the mask is not an array: each row's
+  runs of valid slots of one segment (`segment_runs`; a padded row is one run, a packed row
+  one per sequence, at most `max_segments`) go to cuDNN as lengths and offsets, and it
+  attends causally within each run (a segment's valid slots must be contiguous, as the
+  update's rows are). Slots outside every run (padding) are zeroed going in and
+  coming out, so that whatever the kernel leaves there reaches neither the output nor, through
+  `where`'s gradient, the weights. A row with more runs than `max_segments`, or a segment
+  with a hole, gets NaN outputs
+  (the loss turns non-finite and the update is skipped, never silently wrong); the trainer
+  checks the packed rows beforehand (`model.attention_segments`).
+
+  With a cache (the sampler's prefill: no gradient) the mask goes as a boolean array, which
+  cuDNN's inference pass takes at any length."""
   b, k, g, t, hd = q_BxKxGxTxHd.shape
   s = keys_BxKxHdxS.shape[-1]
   q_BxTxNxHd = q_BxKxGxTxHd.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, hd)
   dtype = q_BxTxNxHd.dtype
   keys_BxSxKxHd = keys_BxKxHdxS.transpose(0, 3, 1, 2).astype(dtype)
   values_BxSxKxHd = values_BxKxSxHd.transpose(0, 2, 1, 3).astype(dtype)
-  mask_Bx1xTxS = visible(valid_BxS.astype(bool), offset, t, segments_BxS)[:, None]
-  pad_t, pad_s = t % 2, s % 2
-  if pad_t or pad_s:
-    q_BxTxNxHd = jnp.pad(q_BxTxNxHd, ((0, 0), (0, pad_t), (0, 0), (0, 0)))
-    keys_BxSxKxHd = jnp.pad(keys_BxSxKxHd, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
-    values_BxSxKxHd = jnp.pad(values_BxSxKxHd, ((0, 0), (0, pad_s), (0, 0), (0, 0)))
-    mask_Bx1xTxS = jnp.pad(mask_Bx1xTxS, ((0, 0), (0, 0), (0, pad_t), (0, pad_s)))
-    mask_Bx1xTxS = mask_Bx1xTxS.at[:, :, t:, :s].set(True)
-  out_BxTxNxHd = jax.nn.dot_product_attention(q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd,
-                                              mask=mask_Bx1xTxS, implementation=implementation)
-  return out_BxTxNxHd[:, :t].reshape(b, t, k, g, hd).transpose(0, 2, 3, 1, 4)
+  valid_BxS = valid_BxS.astype(bool)
+  if isinstance(offset, (int, np.integer)) and offset == 0 and t == s:
+    runs = max(2, max_segments)  # two or more: cuDNN reads offsets only then
+    lengths_BxM, starts_BxM1, overflow_B = segment_runs(valid_BxS, segments_BxS, runs)
+    live = lambda x: jnp.where(valid_BxS[:, :, None, None], x, jnp.zeros((), x.dtype))
+    q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd = map(live, (q_BxTxNxHd, keys_BxSxKxHd,
+                                                            values_BxSxKxHd))
+    if implementation == "cudnn":
+      out_BxTxNxHd = _packed_cudnn(q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd, lengths_BxM,
+                                   starts_BxM1)
+    else:
+      out_BxTxNxHd = jax.nn.dot_product_attention(
+          q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd,
+          mask=runs_visible(lengths_BxM, starts_BxM1, s)[:, None], implementation=implementation)
+    out_BxTxNxHd = jnp.where(overflow_B[:, None, None, None], jnp.nan, live(out_BxTxNxHd))
+  else:
+    out_BxTxNxHd = jax.nn.dot_product_attention(
+        q_BxTxNxHd, keys_BxSxKxHd, values_BxSxKxHd,
+        mask=visible(valid_BxS, offset, t, segments_BxS)[:, None], implementation=implementation)
+  return out_BxTxNxHd.astype(dtype).reshape(b, t, k, g, hd).transpose(0, 2, 3, 1, 4)

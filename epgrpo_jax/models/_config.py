@@ -46,6 +46,7 @@ class ModelConfig:
   # in float32, plain on CPU otherwise, else blockwise).
   attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
+  attention_segments: int = 16  # cuDNN without a mask array: the most sequences in one row
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -68,6 +69,8 @@ class ModelConfig:
       raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
     if self.attention_block <= 0:
       raise UserError(f"model.attention_block: must be > 0, got {self.attention_block}")
+    if self.attention_segments <= 0:
+      raise UserError(f"model.attention_segments: must be > 0, got {self.attention_segments}")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 

@@ -97,7 +97,24 @@ def recompute_in_backward(fn: Callable) -> Callable:
   return wrapped
 
 
-def _remat_block(layer: "Block", x, angles, valid, segments, attention: tuple[str, int],
+def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS):
+  """softmax(q . keys) . values by the resolved `attention` (the decode kernel for one token
+  with a cache, where one is installed)."""
+  t = q.shape[3]
+  kernel = _DECODE_KERNEL.get()
+  if (kernel is not None and t == 1 and write_index is not None
+      and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
+    return kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
+  if attention[0] in ("plain", "cpu") or t == 1:
+    return _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t, segments_BxS))
+  if attention[0] == "blockwise":
+    return _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1],
+                                segments_BxS=segments_BxS)
+  return _attention.cudnn(q, keys, values, valid_BxS, offset, segments_BxS=segments_BxS,
+                          max_segments=attention[2])
+
+
+def _remat_block(layer: "Block", x, angles, valid, segments, attention: tuple[str, int, int],
                  adapters: bool):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
@@ -218,11 +235,12 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BxTxD, angles, k_BxKxHdxS, v_BxKxSxHd, valid_BxS, offset, write_index,
-               attention: tuple[str, int], adapters: bool, segments_BxS=None):
+               attention: tuple[str, int, int], adapters: bool, segments_BxS=None):
     """Rotates q and k by `angles` (`rope_angles`: cos, sin), writes this block's keys/values at
     `write_index` (None: no cache) and attends: query t
     (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS` (and of its own
-    segment, given `segments_BxS`), by the resolved `attention` (implementation, block size)
+    segment, given `segments_BxS`), by the resolved `attention` (implementation, block size,
+    most sequences per row for cuDNN)
     (a one-token step: the plain path or decode kernel; "cpu": the C++ kernel without a cache
     in a single-device program on CPU, plain otherwise)."""
     cfg = self.cfg
@@ -235,8 +253,9 @@ class Attention(nnx.Module):
     groups = cfg.num_heads // cfg.num_kv_heads
     if write_index is None and attention[0] == "cpu" and runs_cpu_kernels():
       segments = jnp.zeros(valid_BxS.shape, jnp.int32) if segments_BxS is None else segments_BxS
-      out = cpu_kernels.causal_attention(
-          q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim), k, v, valid_BxS, segments)
+      with jax.named_scope("attention"):
+        out = cpu_kernels.causal_attention(
+            q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim), k, v, valid_BxS, segments)
       return self.o(out.reshape(b, t, cfg.num_heads * cfg.head_dim), adapters), None, None
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
@@ -245,18 +264,8 @@ class Attention(nnx.Module):
       keys = write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
       values = write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
-    kernel = _DECODE_KERNEL.get()
-    if (kernel is not None and t == 1 and write_index is not None
-        and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
-      out = kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
-    elif attention[0] in ("plain", "cpu") or t == 1:
-      out = _attention.attend(q, keys, values,
-                              _attention.visible(valid_BxS, offset, t, segments_BxS))
-    elif attention[0] == "blockwise":
-      out = _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1],
-                                 segments_BxS=segments_BxS)
-    else:
-      out = _attention.cudnn(q, keys, values, valid_BxS, offset, segments_BxS=segments_BxS)
+    with jax.named_scope("attention"):  # a profile's attention share (benchmarks/update_gpu.py)
+      out = _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return self.o(out, adapters), keys, values
 
@@ -287,7 +296,7 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
     self.mlp = MLP(cfg, lora, rngs)
 
-  def __call__(self, x, angles, k, v, valid, offset, write_index, attention: tuple[str, int],
+  def __call__(self, x, angles, k, v, valid, offset, write_index, attention: tuple[str, int, int],
                adapters: bool, segments=None):
     dtype = x.dtype
     h, k, v = self.attn(self.input_norm(x).astype(dtype), angles, k, v, valid, offset,
@@ -350,7 +359,8 @@ class Qwen2(nnx.Module):
     table = _constrain(self.embed[...], "embedding")
     x = _constrain(jnp.take(table, tokens_BxT, axis=0).astype(dtype))
     mask_BxT = mask_BxT.astype(bool)
-    attention = (_attention.resolve(cfg.attention, dtype), cfg.attention_block)
+    attention = (_attention.resolve(cfg.attention, dtype), cfg.attention_block,
+                 cfg.attention_segments)
     if cache is None:
       write_index, valid, offset = None, mask_BxT, 0
     elif segments_BxT is not None:

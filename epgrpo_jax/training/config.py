@@ -46,6 +46,9 @@ class ModelRunConfig:
   # on CPU otherwise, cuDNN on GPU in bf16)
   attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
+  # cuDNN attention over packed rows (train.packing): the most sequences one row may hold
+  # (each row's sequences go to cuDNN as lengths and offsets, this many slots a row).
+  attention_segments: int = 16
 
   def __post_init__(self):
     for name in ("dtype", "param_dtype"):
@@ -54,6 +57,7 @@ class ModelRunConfig:
     if self.attention not in ATTENTION:
       raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
     _positive("model", self, "attention_block")
+    _positive("model", self, "attention_segments")
     if self.path != EMBEDDED:
       p = Path(self.path)
       if not p.is_dir():

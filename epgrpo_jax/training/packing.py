@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from flax import struct
 
+from epgrpo_jax.io.errors import UserError
+
 
 @struct.dataclass
 class Packing:
@@ -158,6 +160,15 @@ def interleave(parts_K) -> np.ndarray:
   `accumulated_gradients`' split `x.reshape(-1, k, ...).swapaxes(0, 1)`."""
   stacked = np.stack(parts_K, axis=1)  # [R, k, ...]
   return stacked.reshape(-1, *stacked.shape[2:])
+
+
+def check_segments(packing: Packing, most: int) -> None:
+  """Raises a one-line UserError if a row holds more than `most` sequences (cuDNN attention
+  takes each row's sequences as `model.attention_segments` lengths and offsets)."""
+  held = int(np.asarray(packing.segments).max(initial=0))  # ids run 1, 2, ... within a row
+  if held > most:
+    raise UserError(f"model.attention_segments: a packed row holds {held} sequences, more than "
+                    f"{most}; raise it to {held} or more, or shorten train.packing_length")
 
 
 def fill(packing: Packing) -> float:

@@ -26,8 +26,8 @@ from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.metrics import MetricsWriter
 from epgrpo_jax.models import flops
-from epgrpo_jax.models import (check_vocab, from_pretrained, load_hf_config, load_tokenizer, save_pretrained,
-                               stop_token_ids)
+from epgrpo_jax.models import (check_vocab, from_pretrained, load_hf_config, load_tokenizer, resolve_attention,
+                               save_pretrained, stop_token_ids)
 from epgrpo_jax.parallel import distributed, sharding
 from epgrpo_jax.parallel.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
@@ -35,7 +35,7 @@ from epgrpo_jax.rollout.sampling import Sampler, bucket
 from epgrpo_jax.training import programs
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.config import TrainConfig
-from epgrpo_jax.training.packing import pack_micro_batches
+from epgrpo_jax.training.packing import check_segments, pack_micro_batches
 from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
 from epgrpo_jax.training.rollouts import (Collected, SampledRound, group_has_signal, merge_rewards, merge_rounds,
                                           select_groups, step_metrics, truncated_rows)
@@ -461,9 +461,12 @@ class Trainer:
       return rollout
     host = distributed.to_host(rollout)
     shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    return host.replace(packing=pack_micro_batches(
+    packing = pack_micro_batches(
         host.prompt_ids, host.prompt_mask, host.completion, host.completion_mask,
-        micro_batches=micro_batches, row_length=self.packing_length, multiple=shards))
+        micro_batches=micro_batches, row_length=self.packing_length, multiple=shards)
+    if resolve_attention(self.model_cfg.attention, self.model_cfg.dtype) == "cudnn":
+      check_segments(packing, self.model_cfg.attention_segments)
+    return host.replace(packing=packing)
 
   def mini_batches(self, batch: UpdateBatch) -> list[UpdateBatch]:
     """The update's `train.mini_batches` row slices of `batch`; packed rollouts are packed
@@ -534,7 +537,9 @@ def answer_parses(answer: str) -> bool:
 
 
 def _with_runtime_options(model, section):
-  """The model with `model.remat`, `model.attention` and `model.attention_block` applied."""
+  """The model with `model.remat`, `model.attention`, `model.attention_block` and
+  `model.attention_segments` applied."""
   model.cfg = model.cfg.replace(remat=model.cfg.remat or section.remat, attention=section.attention,
-                                attention_block=section.attention_block)
+                                attention_block=section.attention_block,
+                                attention_segments=section.attention_segments)
   return model
