@@ -32,7 +32,9 @@ def test_gpu_script_dry_run(tmp_path):
   text = out.read_text()
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "FAILED" not in text, text[-4000:]
-  for figure in ("tokens/s", "update / loss+backward+optimizer", "MFU", "blockwise", "plain"):
+  for figure in ("tokens/s", "update / loss+backward+optimizer", "MFU", "blockwise", "plain",
+                 "model FLOPs", "profiled step, device op time", "attention", "lm_head",
+                 "compiled footprint"):
     assert figure in text, f"{figure!r} missing from the dry run's figures:\n{text[-4000:]}"
 
 
