@@ -21,6 +21,8 @@ temporaries overstate what a GPU needs.
   python benchmarks/memory_fsdp.py                         # 3B and 7B, data=8 vs fsdp=8
   python benchmarks/memory_fsdp.py --presets qwen2.5-7b --meshes 1,8,1 --grad-accumulation 4
   python benchmarks/memory_fsdp.py --attention plain       # the materialised-scores attention
+  python benchmarks/memory_fsdp.py --presets qwen2.5-3b --meshes 1,1,1 --packed-rows 8 \
+      --prompts 8 --generations 8 --prompt-len 256 --completion-len 768   # one GPU, packed rows
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from flax import nnx  # noqa: E402
 from epgrpo_jax.core import losses
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.training import programs as steps  # noqa: E402
+from epgrpo_jax.training.packing import Packing  # noqa: E402
 from epgrpo_jax.models import LoraConfig, Qwen2, preset  # noqa: E402
 
 import _common as C  # noqa: E402
@@ -74,18 +77,25 @@ def with_shardings(tree, shardings):
 
 
 def update_memory(policy: steps.Policy, mesh, *, rows: int, prompt_len: int,
-                  completion_len: int, remat: bool):
+                  completion_len: int, remat: bool, packed_rows: int = 0, row_length: int = 0):
   """`memory_analysis()` of the update's compiled program(s) (`StepFunctions.update_memory`)
-  for `rows` sequences on `mesh`: one program, or with remat the gradient and apply programs."""
+  for `rows` sequences on `mesh`: one program, or with remat the gradient and apply programs.
+  `packed_rows` > 0: the forward runs over that many packed rows of `row_length` tokens
+  (`train.packing`) instead of the padded rows."""
   tx, _ = steps.make_optimizer(5e-6, 1000, warmup_ratio=0.1, weight_decay=1e-3,
                                max_grad_norm=1.0)
-  s = steps.StepShardings.create(policy, tx, mesh)
+  s = steps.StepShardings.create(policy, tx, mesh, packed=packed_rows > 0)
   fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True, shardings=s, remat=remat)
   row = lambda n, dt: jax.ShapeDtypeStruct((rows, n), dt, sharding=s.rows)
+  packing = None
+  if packed_rows:
+    slots = lambda: jax.ShapeDtypeStruct((packed_rows, row_length), jnp.int32, sharding=s.rows)
+    packing = Packing(slots(), slots(), slots(), slots(), row(completion_len, jnp.int32))
   batch = steps.UpdateBatch(
       rollout=steps.Rollout(row(prompt_len, jnp.int32), row(prompt_len, jnp.bool_),
-                            row(completion_len, jnp.int32), row(completion_len, jnp.bool_)),
+                            row(completion_len, jnp.int32), row(completion_len, jnp.bool_),
+                            packing),
       logp_old=row(completion_len, jnp.float32), logp_ref=row(completion_len, jnp.float32),
       advantage=row(completion_len, jnp.float32))
   opt_state = jax.eval_shape(tx.init, policy.trainable)
@@ -112,6 +122,9 @@ def main():
   parser.add_argument("--prompt-len", type=int, default=1024)
   parser.add_argument("--completion-len", type=int, default=2048)
   parser.add_argument("--lora-rank", type=int, default=32)
+  parser.add_argument("--packed-rows", type=int, default=0,
+                      help="train.packing: packed rows per update program (0: padded rows)")
+  parser.add_argument("--row-length", type=int, default=4096, help="train.packing_length")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--no-remat", action="store_true")
   parser.add_argument("--full-finetune", action="store_true")
@@ -122,8 +135,10 @@ def main():
   args = parser.parse_args()
 
   rows = args.prompts * args.generations // (args.mini_batches * args.grad_accumulation)
+  packed = (f", packed into {args.packed_rows} rows of {args.row_length} tokens"
+            if args.packed_rows else "")
   print(f"gradient program: {rows} sequences x ({args.prompt_len} prompt + {args.completion_len} "
-        f"completion) tokens, {'full fine-tuning' if args.full_finetune else f'LoRA rank {args.lora_rank}'}, "
+        f"completion) tokens{packed}, {'full fine-tuning' if args.full_finetune else f'LoRA rank {args.lora_rank}'}, "
         f"{args.dtype}, remat {'off' if args.no_remat else 'on'}, {args.attention} attention"
         f"{f' (blocks of {args.attention_block})' if args.attention == 'blockwise' else ''}; "
         f"{jax.device_count()} "
@@ -141,7 +156,8 @@ def main():
       mesh = sharding.make_mesh(sharding.MeshConfig(*shape))
       start = time.perf_counter()
       analyses, s = update_memory(policy, mesh, rows=rows, prompt_len=args.prompt_len,
-                                  completion_len=args.completion_len, remat=not args.no_remat)
+                                  completion_len=args.completion_len, remat=not args.no_remat,
+                                  packed_rows=args.packed_rows, row_length=args.row_length)
       m = max(analyses, key=C.peak_bytes)
       seconds = time.perf_counter() - start
       weights = bytes_per_device(policy.frozen, s.frozen)
