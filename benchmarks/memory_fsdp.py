@@ -84,7 +84,7 @@ def update_memory(policy: steps.Policy, mesh, *, rows: int, prompt_len: int,
   (`train.packing`) instead of the padded rows."""
   tx, _ = steps.make_optimizer(5e-6, 1000, warmup_ratio=0.1, weight_decay=1e-3,
                                max_grad_norm=1.0)
-  s = steps.StepShardings.create(policy, tx, mesh, packed=packed_rows > 0)
+  s = steps.StepShardings.create(policy, tx, mesh)
   fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True, shardings=s, remat=remat)
   row = lambda n, dt: jax.ShapeDtypeStruct((rows, n), dt, sharding=s.rows)

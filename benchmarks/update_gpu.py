@@ -124,7 +124,7 @@ def main() -> None:
   tx, _ = programs.make_optimizer(1e-5, 1000, warmup_ratio=0.0, weight_decay=0.0,
                                   max_grad_norm=1.0)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1))
-  s = programs.StepShardings.create(policy, tx, mesh, packed=True)
+  s = programs.StepShardings.create(policy, tx, mesh)
   policy = s.place_policy(policy)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                                on_policy=True, shardings=s, remat=cfg.remat,
