@@ -18,7 +18,9 @@ the same reason (`panels_available()`).
 compiler (`$CXX`, else `c++`) into `$EPGRPO_KERNEL_DIR` (default
 `~/.cache/epgrpo_jax/kernels`), keyed by the source, the flags, the jax version
 and the CPU; without a compiler, `available()` is False (one warning) and
-callers keep the XLA path.
+callers keep the XLA path. `$EPGRPO_CPU_KERNELS=0` turns every kernel off the same way
+(nothing is built; `available()` is False): the model's attention and SwiGLU, the sampler's
+and the update's products all take XLA's path, as on a machine without a compiler.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from epgrpo_jax.io.errors import UserError
 
 logger = logging.getLogger("epgrpo_jax.models")
 
@@ -103,9 +107,28 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path:
   return target
 
 
+SWITCH_ENV = "EPGRPO_CPU_KERNELS"  # 0/false/off/no: never build or use the kernels
+_SWITCH = {"": True, "1": True, "true": True, "on": True, "yes": True,
+           "0": False, "false": False, "off": False, "no": False}
+
+
+def switched_on(value: str | None) -> bool:
+  """Whether `$EPGRPO_CPU_KERNELS` (`value`; None: unset) lets the kernels run."""
+  choice = _SWITCH.get((value or "").strip().lower())
+  if choice is None:
+    raise UserError(f"${SWITCH_ENV}: {value!r} is neither on (1, true, on, yes) nor off "
+                    f"(0, false, off, no)")
+  return choice
+
+
 @functools.cache
 def available() -> bool:
-  """Builds and registers the kernels once per process; False (with a warning) if it cannot."""
+  """Builds and registers the kernels once per process; False (with a warning) if it cannot,
+  and False without building when `$EPGRPO_CPU_KERNELS` turns them off (read once)."""
+  if not switched_on(os.environ.get(SWITCH_ENV)):
+    logger.info("CPU kernels off ($%s=%s): XLA's paths throughout", SWITCH_ENV,
+                os.environ[SWITCH_ENV])
+    return False
   try:
     library = ctypes.cdll.LoadLibrary(str(build()))
     for target, symbol in TARGETS.items():
