@@ -41,15 +41,21 @@ def main(argv: list[str] | None = None) -> int:
       return 0
     from epgrpo_jax.training.loop import train  # the trainer only to train: fast `--print-config`
     summary = train(cfg)
-    before, after = summary.get("heldout_before"), summary.get("heldout_after")
-    if before and after:
-      gain = 100 * (after["accuracy"] - before["accuracy"])
-      print(f"held-out accuracy: {100 * before['accuracy']:.1f}% -> "
-            f"{100 * after['accuracy']:.1f}% ({gain:+.1f} points)")
+    if summary.get("heldout_gain"):
+      print(accuracy_line(summary["heldout_before"], summary["heldout_after"], summary["heldout_gain"]))
     print(f"run directory: {summary['output_dir']}")
     return 0
 
   return commandline.run_main(run, debug=args.debug)
+
+
+def accuracy_line(before: dict, after: dict, gain: dict) -> str:
+  """"held-out accuracy: B% ± se -> A% ± se (+G points ± se)": each ± one standard error over
+  the held-out problems (`evaluation.heldout.standard_error`; the gain's paired)."""
+  def pct(m: dict) -> str:
+    return f"{100 * m['accuracy']:.1f}% ± {100 * m['accuracy_se']:.1f}"
+  return (f"held-out accuracy: {pct(before)} -> {pct(after)} "
+          f"({100 * gain['accuracy']:+.1f} points ± {100 * gain['accuracy_se']:.1f})")
 
 
 if __name__ == "__main__":

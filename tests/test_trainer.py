@@ -65,6 +65,9 @@ def test_smoke_run_writes_metrics_checkpoint_and_policy(task, tmp_path, override
   summary = train(cfg)
   assert summary["steps"] == 2
   assert 0.0 <= summary["heldout_before"]["accuracy"] <= 1.0
+  before, after, gain = (summary[k] for k in ("heldout_before", "heldout_after", "heldout_gain"))
+  assert gain["accuracy"] == pytest.approx(after["accuracy"] - before["accuracy"], abs=1e-6)
+  assert 0.0 <= gain["accuracy_se"] <= 1.0 and 0.0 <= before["accuracy_se"] <= 1.0
   lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   step_lines = [l for l in lines if "reward" in l]
   assert [l["step"] for l in step_lines] == [1, 2]

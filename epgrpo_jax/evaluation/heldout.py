@@ -43,12 +43,37 @@ class EvalResult:
   def summary(self, ks: Sequence[int] = PASS_KS) -> dict[str, float]:
     n, s = self.correct.shape
     out = {"accuracy": float(self.correct.mean()) if n else 0.0,
+           "accuracy_se": standard_error(self.correct.mean(axis=1)) if n and s else 0.0,
            "format": float(self.boxed.mean()) if n else 0.0}
     c = self.correct.sum(axis=1)
     for k in ks:
       if k <= s and n and k > 1:
         out[f"pass@{k}"] = float(np.mean(pass_at_k(np.full(n, s), c, k)))
     return out
+
+
+def standard_error(per_problem_N: np.ndarray) -> float:
+  """The standard error of the mean of per-problem scores: their sample standard deviation
+  over sqrt(N) (0 for fewer than 2 problems).
+
+  Given each problem's accuracy over its own samples, this is the SE of the held-out accuracy
+  as an estimate over problems drawn from the task: the samples of one problem are not
+  independent draws (they share its difficulty), so the problem, not the sample, is the unit;
+  the sampling noise of the k samples is inside each problem's score and so counted too.
+  """
+  x = np.asarray(per_problem_N, np.float64)
+  return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+
+
+def paired_gain(before: EvalResult, after: EvalResult) -> tuple[float, float]:
+  """The accuracy gain from `before` to `after` on the same problems, and its standard error:
+  the mean and `standard_error` of the per-problem differences (paired, so the problems'
+  shared difficulty cancels)."""
+  if before.correct.shape[0] != after.correct.shape[0]:
+    raise ValueError(f"paired_gain: {before.correct.shape[0]} problems before, "
+                     f"{after.correct.shape[0]} after")
+  diff_N = after.correct.mean(axis=1) - before.correct.mean(axis=1)
+  return (float(diff_N.mean()) if diff_N.size else 0.0), standard_error(diff_N)
 
 
 def _fill(correct: np.ndarray, boxed: np.ndarray, records: list[dict[str, Any]],

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import yaml
 
+from epgrpo_jax.evaluation.heldout import paired_gain
 from epgrpo_jax.io import configlib
 from epgrpo_jax.io.atomic import write_text_atomic
 from epgrpo_jax.io.checkpointing import committed_steps
@@ -51,8 +52,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                            | {"data/train_problems": len(trainer.train_examples),
                               "data/heldout_problems": len(trainer.heldout)})
     eval_key = jax.random.key(t.seed + 1)
+    before = None  # the starting policy's per-problem scores, for the paired gain at the end
     if cfg.eval.before and trainer.heldout and state.step == 0:
-      summary["heldout_before"] = trainer.evaluate(state.trainable, eval_key)
+      before = trainer.heldout_result(state.trainable, eval_key)
+      summary["heldout_before"] = before.summary()
       trainer.writer.write(0, summary["heldout_before"], prefix="heldout/")
       _say(trainer, f"held-out before RL: {_fmt_eval(summary['heldout_before'])}")
     progress = Progress(t.steps, "train", initial=state.step, enabled=cfg.logging.progress and
@@ -91,7 +94,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if trainer.checkpointer.latest_step() != state.step:
       trainer.save(state)
     if cfg.eval.after and trainer.heldout:
-      summary["heldout_after"] = trainer.evaluate(state.trainable, eval_key)
+      after = trainer.heldout_result(state.trainable, eval_key)
+      summary["heldout_after"] = after.summary()
+      if before is not None:
+        gain, se = paired_gain(before, after)
+        summary["heldout_gain"] = {"accuracy": gain, "accuracy_se": se}
       trainer.writer.write(state.step, summary["heldout_after"], prefix="heldout/")
       _say(trainer, f"held-out after RL:  {_fmt_eval(summary['heldout_after'])}")
     # Every process takes part (the weights may be sharded); only process 0 writes.

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from epgrpo_jax.data import pipeline
-from epgrpo_jax.evaluation.heldout import evaluate_examples
+from epgrpo_jax.evaluation.heldout import EvalResult, evaluate_examples
 from epgrpo_jax.io import configlib
 from epgrpo_jax.io.atomic import check_output_paths
 from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
@@ -489,12 +489,15 @@ class Trainer:
     return self.tokenizer.batch_decode(seqs, skip_special_tokens=True)
 
   def evaluate(self, trainable: nnx.State, key: jax.Array) -> dict[str, float]:
+    return self.heldout_result(trainable, key).summary()
+
+  def heldout_result(self, trainable: nnx.State, key: jax.Array) -> EvalResult:
+    """Every held-out problem's per-sample scores under `trainable` (`evaluate` summarises them)."""
     e = self.cfg.eval
-    result = evaluate_examples(
+    return evaluate_examples(
         self.sampler_for_eval(), self.params(trainable), self.heldout, self.tokenizer, self.scorer,
         num_samples=e.samples, key=key, prompts_per_batch=e.prompts_per_batch,
         golds=[self.gold(x) for x in self.heldout])
-    return result.summary()
 
   def sampler_for_eval(self) -> Sampler:
     e, s = self.cfg.eval, self.cfg.sampling
