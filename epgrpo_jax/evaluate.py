@@ -105,6 +105,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  help="0 samples greedily")
   p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0)
   p.add_argument("--max-new-tokens", type=_positive_int, default=2048)
+  p.add_argument("--continuous-slots", type=_non_negative_int, default=0,
+                 help="continuous batching over this many decode rows (sampling.continuous, "
+                      "sampling.slots); 0: the static sampler (same completions)")
   p.add_argument("--max-prompt-tokens", type=_non_negative_int, default=0,
                  help="skip (and count) longer prompts; 0: only the model's context limits")
   p.add_argument("--limit", type=_positive_int, help="first N problems of each benchmark")
@@ -304,7 +307,9 @@ def load_sampler(args: argparse.Namespace, inputs: Inputs, tokenizer) -> tuple[A
              "trained weights", ref.step, ref.step_dir)
   params = nnx.split(model)
   sampler = Sampler(SamplingConfig(temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens),
+                                   max_new_tokens=args.max_new_tokens,
+                                   continuous=args.continuous_slots > 0,
+                                   slots=max(1, args.continuous_slots)),
                     eos_ids=stop_token_ids(tokenizer, model.cfg, model_dir=inputs.model_dir),
                     pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
   return params, sampler

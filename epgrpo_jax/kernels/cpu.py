@@ -196,13 +196,22 @@ def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: j
       values_BxV.astype(jnp.float32), weights_BxV.astype(jnp.float32), target_B.astype(jnp.float32))
 
 
+def row_uniforms(key: jax.Array, b: int) -> jax.Array:
+  """The draw's [B] float32 uniforms in [0, 1) (this draw's and `strategies.categorical`'s):
+  from one key, `uniform(key, (B,))`; from [B] keys (one per row, a request's key folded
+  with its token's position), one uniform of each, so a row's draw depends on its key alone."""
+  if key.ndim == 0:
+    return jax.random.uniform(key, (b,), jnp.float32)
+  return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)
+
+
 def nucleus_draw(key: jax.Array, logits_BxV: jax.Array, temperature: float,
                  top_p: float) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`strategies.sample_step` with top-k off and temperature > 0, in one C++ call: (tokens_B
-  int32, logp_B, entropy_B), the same draw for the same key (its uniform per row) up to
-  float rounding. Call `available()` first."""
+  int32, logp_B, entropy_B), the same draw for the same key (one, or [B]: `row_uniforms`)
+  up to float rounding. Call `available()` first."""
   b = logits_BxV.shape[0]
-  u_B = jax.random.uniform(key, (b,), jnp.float32)
+  u_B = row_uniforms(key, b)
   outs = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
           jax.ShapeDtypeStruct((b,), jnp.float32))
   return tuple(jax.ffi.ffi_call("epgrpo_nucleus_draw", outs)(

@@ -3,7 +3,7 @@
 from epgrpo_jax.models._attention import resolve as resolve_attention
 from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraConfig, ModelConfig,
                                       as_dtype, preset)
-from epgrpo_jax.models._lora import (BASE, LORA, Linear, dense_products, lora_layers, merge_lora,
+from epgrpo_jax.models._lora import (BASE, LORA, Linear, dense_products, lora_layers, matmul, merge_lora,
                                     one_device_program, unmerge_lora)
 from epgrpo_jax.models._qwen2 import (Cache, Qwen2, activation_constraint, attend, decode_kernel,
                                      init_cache, rope, rope_cos_sin, rope_table)

@@ -104,7 +104,8 @@ def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments
   kernel = _DECODE_KERNEL.get()
   if (kernel is not None and t == 1 and write_index is not None
       and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
-    return kernel(q[:, :, :, 0], keys, values, valid_BxS, write_index + 1)[:, :, :, None]
+    # a per-row index (continuous batching): the kernel reads the slots below the largest
+    return kernel(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1)[:, :, :, None]
   if attention[0] in ("plain", "cpu") or t == 1:
     return _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t, segments_BxS))
   if attention[0] == "blockwise":
@@ -224,6 +225,20 @@ def write_slots(cache: jax.Array, new: jax.Array, start: tuple) -> jax.Array:
                                       cache.dtype)
 
 
+def write_row_slots(cache: jax.Array, new: jax.Array, index_B: jax.Array, axis: int) -> jax.Array:
+  """`new` [B, ...] (a slot of `cache` without its slot axis `axis`) written into row b of
+  `cache` at slot `index_B[b]`, as a scatter; slots past the cache are dropped. A 16-bit
+  float cache on CPU is written through its bits, as in `write_slots`."""
+  dtype = cache.dtype
+  new = new.astype(dtype)
+  bits = dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu"
+  if bits:
+    cache, new = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (cache, new))
+  index = (jnp.arange(cache.shape[0]),) + (slice(None),) * (axis - 1) + (index_B,)
+  out = cache.at[index].set(new, mode="drop")  # the row and slot indices lead: new is [B, ...]
+  return jax.lax.bitcast_convert_type(out, dtype) if bits else out
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
@@ -260,6 +275,9 @@ class Attention(nnx.Module):
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
       keys, values = k_BxKxHdxT, v_BxKxTxHd
+    elif write_index.ndim:  # one slot per row (t == 1)
+      keys = write_row_slots(k_BxKxHdxS, k_BxKxHdxT[..., 0], write_index, 3)
+      values = write_row_slots(v_BxKxSxHd, v_BxKxTxHd[:, :, 0], write_index, 2)
     else:
       keys = write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
       values = write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
@@ -368,12 +386,19 @@ class Qwen2(nnx.Module):
     else:
       write_index = cache["index"]
       slots = cache["valid"].shape[1]
-      if not isinstance(write_index, jax.core.Tracer) and int(write_index) + t > slots:
-        # Under jit this cannot be checked; dynamic_update_slice would clamp silently.
-        raise ValueError(f"cache: writing {t} tokens at slot {int(write_index)} overflows "
-                         f"its {slots} slots")
-      valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
-      offset = write_index
+      if write_index.ndim:  # [B]: each row writes its token at its own slot (continuous batching)
+        if t != 1:
+          raise ValueError(f"cache: a per-row index writes one token per row, got {t}")
+        slot_BxS = jnp.arange(slots)[None, :]
+        valid = jnp.where(slot_BxS == write_index[:, None], mask_BxT, cache["valid"])
+        valid, offset = valid & (slot_BxS <= write_index[:, None]), slots - 1
+      else:
+        if not isinstance(write_index, jax.core.Tracer) and int(write_index) + t > slots:
+          # Under jit this cannot be checked; dynamic_update_slice would clamp silently.
+          raise ValueError(f"cache: writing {t} tokens at slot {int(write_index)} overflows "
+                           f"its {slots} slots")
+        valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
+        offset = write_index
 
     angles = rope_angles(positions_BxT, cfg.head_dim, cfg.rope_theta, rope_table)
     new_k, new_v = [], []

@@ -8,9 +8,11 @@ Per-step token choice (temperature, top-k, exact top-p, the draw) is in
 `rollout.strategies`.
 
 `Sampler.sample` prefills each prompt once, copies its cache to its G rows,
-and decodes with `lax.while_loop`s (one per cache-size segment) in one
-program, compiled once per (P, Tp, N, G) and reused across calls with new
-weights.
+and decodes in blocks of `stop_check_every` fixed-trip steps inside a
+`lax.while_loop` (one per cache-size segment) that tests "all done" once per
+block, in one program compiled once per (P, Tp, N, G) and reused across calls
+with new weights. With `continuous` the requests run through a fixed number of
+slots instead (`rollout.continuous`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,16 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import (Qwen2, as_dtype, decode_kernel, dense_products, init_cache, merge_lora,
-                               rope_table)
+from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, rope_table
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
-from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
+from epgrpo_jax.rollout import continuous
+from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, in_blocks, left_pad, prepared_model,
+                                       request_keys, round_up, stops, token_keys)
+
+__all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends",
+           "shared_programs"]
 
 logger = logging.getLogger("epgrpo_jax.rollout.sampling")
 
@@ -59,20 +65,6 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
   return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
 
 
-def packed_products(model: Qwen2, packing: cpu_kernels.Packing) -> dict:
-  """`dense_products` table of the model's projection groups whose layers are their kernels
-  alone (no adapters, or merged ones) and whose concatenated kernel `packing` takes: each
-  kernel packed once, multiplied by `packing.matmul`."""
-  table, dtype = {}, as_dtype(model.cfg.dtype)
-  for group in model.linear_groups():
-    if any(layer.has_lora and not layer.merged for layer in group):
-      continue
-    weights = [layer.kernel[...].astype(dtype) for layer in group]
-    if packing.can_pack(weights):
-      table[tuple(map(id, group))] = functools.partial(packing.matmul, packed=packing.pack(weights))
-  return table
-
-
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """How to pick tokens and how to bucket shapes.
@@ -94,7 +86,14 @@ class SamplingConfig:
   model's on AVX-512, where the CPU has them (built on first use; XLA where they
   cannot be built, on accelerators, and over a mesh of several devices). The
   packed weights are a second copy for the duration of a call;
-  `packed_weights=false` saves that memory.
+  `packed_weights=false` saves that memory (and also keeps the q/k/v and gate/up
+  concatenations, made once per call otherwise, inside the loop).
+
+  The decode loop tests "all done" once per `stop_check_every` tokens. With
+  `continuous` the requests (prompt, sample) run through `slots` rows:
+  `refill_every` tokens decode in one program, then finished slots take the
+  next requests; `slot_tokens` (0: the longest prompt's bucket + max_new_tokens)
+  is each slot's cache capacity, fixed so calls do not recompile.
   """
 
   temperature: float = 1.0
@@ -110,6 +109,11 @@ class SamplingConfig:
   merge_lora: bool = True
   cpu_kernels: bool = True
   packed_weights: bool = True
+  stop_check_every: int = 8
+  continuous: bool = False
+  slots: int = 32
+  refill_every: int = 8
+  slot_tokens: int = 0
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -127,6 +131,12 @@ class SamplingConfig:
         raise UserError(f"sampling.{name}: must be increasing positive integers, got {buckets}")
     if self.decode_segments < 1:
       raise UserError(f"sampling.decode_segments: must be >= 1, got {self.decode_segments}")
+    for name in ("stop_check_every", "slots", "refill_every"):
+      if getattr(self, name) < 1:
+        raise UserError(f"sampling.{name}: must be >= 1, got {getattr(self, name)}")
+    if self.slot_tokens < 0:
+      raise UserError(f"sampling.slot_tokens: must be >= 0 (0 = sized to the requests), "
+                      f"got {self.slot_tokens}")
     if self.cache_dtype is not None:
       try:
         as_dtype(self.cache_dtype)
@@ -141,43 +151,17 @@ class SamplingConfig:
     return dataclasses.replace(self, **kw)
 
 
-def segment_ends(n: int, segments: int) -> list[int]:
-  """Ends of the decode segments over N steps: equal, multiples of 8, at least 8 long."""
+def segment_ends(n: int, segments: int, multiple: int = 8) -> list[int]:
+  """Ends of the decode segments over N steps: equal, multiples of `multiple` (and of 8), at
+  least 8 long."""
   segments = max(1, min(segments, n // 8))
-  size = -(-n // segments)
-  size = -(-size // 8) * 8
+  unit = np.lcm(8, multiple)
+  size = round_up(round_up(n, segments) // segments, unit)
   return sorted({min(n, size * (i + 1)) for i in range(segments)})
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-  """The smallest bucket >= n; past the largest, the next multiple of the largest."""
-  for b in buckets:
-    if b >= n:
-      return b
-  return -(-n // buckets[-1]) * buckets[-1]
 
 
 # ---------------------------------------------------------------------------
 # The sampler.
-
-
-@struct.dataclass
-class SampleOutput:
-  """G completions for each of P prompts.
-
-  tokens [P, G, N] int32 (pad id after a stop token); mask [P, G, N] bool
-  (stop token included); logp, entropy [P, G, N] float32 (0 where masked);
-  lengths [P, G] int32; prompt_ids, prompt_mask [P, Tp]: the left-padded
-  prompts the completions continue (prompt_ids ++ tokens is the sequence).
-  """
-
-  tokens: jax.Array
-  mask: jax.Array
-  logp: jax.Array
-  entropy: jax.Array
-  lengths: jax.Array
-  prompt_ids: jax.Array
-  prompt_mask: jax.Array
 
 
 @struct.dataclass
@@ -191,17 +175,6 @@ class _Loop:
   last_B: jax.Array
   positions_B: jax.Array  # position of `last_B`
   cache: dict
-
-
-def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-aligns each prompt in a [P, length] array; returns (ids int32, mask bool)."""
-  ids = np.full((len(prompts), length), pad_id, np.int32)
-  mask = np.zeros((len(prompts), length), bool)
-  for i, p in enumerate(prompts):
-    if len(p):
-      ids[i, length - len(p):] = np.asarray(p, np.int32)
-      mask[i, length - len(p):] = True
-  return ids, mask
 
 
 class Sampler:
@@ -240,13 +213,15 @@ class Sampler:
     return left_pad(prompts, length, self.pad_id)
 
   def sample(self, model, prompts, num_samples: int, key: jax.Array,
-             max_new_tokens: int | None = None, eos_ids: Sequence[int] | None = None) -> SampleOutput:
+             max_new_tokens: int | None = None, eos_ids: Sequence[int] | None = None,
+             stop_after=None) -> SampleOutput:
     """G = `num_samples` completions of up to `max_new_tokens` for each prompt.
 
     `prompts`: a list of token-id lists, or (ids [P, T], mask [P, T]).
     `eos_ids` overrides the sampler's stop ids for this call (the same number
     of ids reuses the compiled program; `config.ignore_eos` ignores both). Same
-    inputs and key give the same output.
+    inputs and key give the same output. `stop_after` [P, G] ends each completion after
+    that many tokens as if a stop token came (benchmarks impose lengths with it).
     """
     if num_samples < 1:
       raise ValueError(f"num_samples: must be >= 1, got {num_samples}")
@@ -267,18 +242,37 @@ class Sampler:
     else:
       ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
     eos = () if self.config.ignore_eos else tuple(self.eos_ids if eos_ids is None else eos_ids)
-    eos = eos or (-1,)  # -1: never matches
-    args = (state, ids, mask, key, jnp.asarray(max_new, jnp.int32), jnp.asarray(eos, jnp.int32))
-    program = self._program(graphdef, args, p, tp, n, num_samples)
+    eos = jnp.asarray(eos or (-1,), jnp.int32)  # -1: never matches
+    if self.config.continuous:
+      if self.mesh is not None and self.mesh.size > 1:
+        raise UserError("sampling.continuous: runs on one device; set it false with a mesh of "
+                        f"{self.mesh.size} devices")
+      return continuous.generate(self, graphdef, state, ids_PxTp, mask_PxTp, num_samples,
+                                 request_keys(key, p, num_samples), max_new, eos, stop_after)
+    kernels = self.uses_cpu_kernels()
+    caps_B = np.full(p * num_samples, max_new, np.int32)
+    if stop_after is not None:
+      caps_B = np.minimum(caps_B, np.asarray(stop_after, np.int32).reshape(-1))
+    caps_B = caps_B if self.mesh is None else put(caps_B, sharding.replicated(self.mesh))
+    args = (state, ids, mask, key, jnp.asarray(caps_B), eos)
+    fn = functools.partial(self._generate, graphdef, num_samples=num_samples, gen_len=n,
+                           kernels=kernels)
+    attention = (functools.partial(cpu_kernels.decode_attention, share_rows=num_samples, shared_slots=tp)
+                 if kernels else None)
+    program = self.compiled(graphdef, f"prompts={p} prompt_len={tp} gen_len={n} samples={num_samples}",
+                            fn, args, attention)
     out = program(*args)
     if max_new < n:
       out = out.replace(tokens=out.tokens[..., :max_new], mask=out.mask[..., :max_new],
                         logp=out.logp[..., :max_new], entropy=out.entropy[..., :max_new])
     return out
 
-  def _program(self, graphdef, args, p: int, tp: int, n: int, g: int):
+  def compiled(self, graphdef, tag: str, fn: Callable, args, attention: Callable | None = None):
+    """`fn` jitted and compiled for `args` once per (model structure, `tag`, argument
+    signature), traced with `attention` as the decode kernel; shared within
+    `shared_programs`; each compilation counted and logged."""
     leaves, treedef = jax.tree.flatten(args)
-    signature = (graphdef, treedef, p, tp, n, g,
+    signature = (graphdef, tag, treedef,
                  tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
     program = self._programs.get(signature)
     shared_key = (self.config, self.eos_ids, self.pad_id, self.mesh, signature)
@@ -288,34 +282,17 @@ class Sampler:
         self._programs[signature] = program
     if program is None:
       start = time.perf_counter()
-      kernels = self._use_cpu_kernels()
-      fn = jax.jit(functools.partial(
-          self._generate, graphdef, num_samples=g, gen_len=n,
-          packed=kernels and self.config.packed_weights,
-          choose=self._chooser(kernels)))
-      attention = (functools.partial(cpu_kernels.decode_attention, share_rows=g, shared_slots=tp)
-                   if kernels else None)
       with decode_kernel(attention):  # read while tracing
-        program = fn.lower(*args).compile()
+        program = jax.jit(fn).lower(*args).compile()
       self._programs[signature] = program
       if _SHARED_PROGRAMS is not None:
         _SHARED_PROGRAMS[shared_key] = program
       self.num_compilations += 1
-      logger.info("compiled sampler program %d: prompts=%d prompt_len=%d gen_len=%d samples=%d "
-                  "(%.1fs)", self.num_compilations, p, tp, n, g, time.perf_counter() - start)
+      logger.info("compiled sampler program %d: %s (%.1fs)", self.num_compilations, tag,
+                  time.perf_counter() - start)
     return program
 
-  def _chooser(self, kernels: bool) -> Callable:
-    """(key, logits_BxV) -> (tokens_B, logp_B, entropy_B): `sample_step`, its thresholds in
-    C++ with `kernels`, and with top-k off the whole draw in C++ (`cpu_kernels.nucleus_draw`)."""
-    cfg = self.config
-    if kernels and not cfg.is_greedy and cfg.top_k == 0:
-      return functools.partial(cpu_kernels.nucleus_draw, temperature=cfg.temperature,
-                               top_p=cfg.top_p)
-    threshold = cpu_kernels.largest_threshold if kernels else largest_threshold
-    return functools.partial(sample_step, cfg=cfg, threshold=threshold)
-
-  def _use_cpu_kernels(self) -> bool:
+  def uses_cpu_kernels(self) -> bool:
     """Whether the C++ kernels apply: one CPU device, and they could be built.
 
     The attention kernel reads a prompt's Tp slots once for its G rows, which hold
@@ -332,35 +309,24 @@ class Sampler:
       return cache
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
-  def _generate(self, graphdef, state, *args, packed: bool, **kwargs) -> SampleOutput:
-    """`_decode` of the model (adapters merged unless `merge_lora` is off). With `packed` (the
-    CPU kernels are available) the projections and head run as the packed products of the
-    model's dtype where this CPU has them, over weights packed once here, outside the
-    decode loop."""
-    model: Qwen2 = nnx.merge(graphdef, state)
-    if self.config.merge_lora:
-      merge_lora(model)  # in this trace only: the caller's state is untouched
-    head_DxV = model.head_DxV()
-    logits_of = functools.partial(jnp.dot, b=head_DxV, preferred_element_type=jnp.float32)
-    products = {}
-    packing = cpu_kernels.packing_for(as_dtype(model.cfg.dtype)) if packed else None
-    if packing:
-      products = packed_products(model, packing)
-      if packing.can_pack([head_DxV]):
-        logits_of = functools.partial(packing.logits, packed=packing.pack([head_DxV]))
-    with dense_products(products):
-      return self._decode(model, logits_of, *args, **kwargs)
+  def _generate(self, graphdef, state, *args, kernels: bool, **kwargs) -> SampleOutput:
+    """`_decode` of the model, its weights prepared once here, outside the decode loop
+    (`decode.prepared_model`; with `kernels`, packed for the CPU's products)."""
+    cfg = self.config
+    with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights,
+                        prepare=cfg.packed_weights) as (model, logits_of):
+      return self._decode(model, logits_of, *args, choose=chooser(cfg, kernels), **kwargs)
 
-  def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, max_new, eos_E, *,
+  def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
               num_samples: int, gen_len: int, choose: Callable) -> SampleOutput:
-    cfg, g, n = self.config, num_samples, gen_len
+    cfg, g, k = self.config, num_samples, self.config.stop_check_every
     p, tp = ids_PxTp.shape
-    b = p * g
+    b, n = p * g, round_up(gen_len, k)  # blocks of k steps end on the last segment's end
     cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
 
     # Prefill each prompt once into a cache with room for the first segment, then give
     # each of its G rows a copy (every cache leaf but the scalar index has batch first).
-    ends = segment_ends(n, cfg.decode_segments)
+    ends = segment_ends(n, cfg.decode_segments, k)
     positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
     rope_SxHd = rope_table(model.cfg, tp + n)  # positions stay below Tp + N
     hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
@@ -369,9 +335,10 @@ class Sampler:
     logits_BxV = jnp.repeat(logits_of(hidden_PxTpxD[:, -1]), g, axis=0)
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
     cache = self._constrain_cache(cache)
+    keys_B = request_keys(key, p, g)
 
     def emit(loop: _Loop, tokens_B, logp_B, entropy_B) -> _Loop:
-      live_B = ~loop.done_B
+      live_B = ~loop.done_B & (loop.step < caps_B)  # a block may run past the cap: masked
       tokens_B = jnp.where(live_B, tokens_B, self.pad_id)
       zero = jnp.float32(0)
       return loop.replace(
@@ -381,38 +348,39 @@ class Sampler:
               loop.logp_BxN, jnp.where(live_B, logp_B, zero)[:, None], (0, loop.step)),
           entropy_BxN=lax.dynamic_update_slice(
               loop.entropy_BxN, jnp.where(live_B, entropy_B, zero)[:, None], (0, loop.step)),
-          done_B=loop.done_B | (live_B & jnp.any(tokens_B[:, None] == eos_E[None, :], axis=-1)),
+          done_B=loop.done_B | (live_B & stops(tokens_B, eos_E)),
           lengths_B=jnp.where(live_B, loop.step + 1, loop.lengths_B),
           last_B=tokens_B,
           positions_B=loop.positions_B + 1)
 
-    def step_key(step):
-      return jax.random.fold_in(key, step)
-
     prompt_len_B = jnp.repeat(jnp.sum(mask_PxTp, axis=-1, dtype=jnp.int32), g)
     loop = _Loop(
         step=jnp.zeros((), jnp.int32),
-        tokens_BxN=jnp.full((b, n), self.pad_id, jnp.int32),
-        logp_BxN=jnp.zeros((b, n), jnp.float32),
-        entropy_BxN=jnp.zeros((b, n), jnp.float32),
+        tokens_BxN=jnp.full((b, n + k), self.pad_id, jnp.int32),  # + k: a block's masked tail
+        logp_BxN=jnp.zeros((b, n + k), jnp.float32),
+        entropy_BxN=jnp.zeros((b, n + k), jnp.float32),
         done_B=jnp.zeros((b,), bool),
         lengths_B=jnp.zeros((b,), jnp.int32),
         last_B=jnp.zeros((b,), jnp.int32),
         positions_B=prompt_len_B - 1,
         cache=cache)
-    loop = emit(loop, *choose(step_key(0), logits_BxV))
+    loop = emit(loop, *choose(token_keys(keys_B, 0), logits_BxV))
+
+    max_new = jnp.max(caps_B)
 
     def cond(end: int, loop: _Loop):
-      return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B)
+      return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B | (loop.step >= caps_B))
 
-    def body(loop: _Loop):
+    def step(loop: _Loop):
       hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
                                   jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd)
       loop = loop.replace(cache=self._constrain_cache(cache))
-      return emit(loop, *choose(step_key(loop.step), logits_of(hidden_Bx1xD[:, 0])))
+      return emit(loop, *choose(token_keys(keys_B, loop.step), logits_of(hidden_Bx1xD[:, 0])))
 
     # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a
     # larger one (the same layout, more slots), so attention never reads more than it needs.
+    # The segments end on multiples of k, and a block starts at a step = 1 (mod k) below its
+    # segment's end, so its last step still writes a slot of the segment's cache.
     for j, end in enumerate(ends):
       if j:
         larger = init_cache(model.cfg, b, tp + end, cache_dtype)
@@ -420,10 +388,11 @@ class Sampler:
             lambda new, old: lax.dynamic_update_slice(new, old, (0,) * old.ndim) if old.ndim else old,
             larger, loop.cache)
         loop = loop.replace(cache=self._constrain_cache(cache))
-      loop = lax.while_loop(functools.partial(cond, end), body, loop)
-    mask_BxN = jnp.arange(n)[None, :] < loop.lengths_B[:, None]
-    shape = (p, g, n)
+      loop = in_blocks(functools.partial(cond, end), step, k, loop)
+    mask_BxN = jnp.arange(gen_len)[None, :] < loop.lengths_B[:, None]
+    shape = (p, g, gen_len)
     return SampleOutput(
-        tokens=loop.tokens_BxN.reshape(shape), mask=mask_BxN.reshape(shape),
-        logp=loop.logp_BxN.reshape(shape), entropy=loop.entropy_BxN.reshape(shape),
+        tokens=loop.tokens_BxN[:, :gen_len].reshape(shape), mask=mask_BxN.reshape(shape),
+        logp=loop.logp_BxN[:, :gen_len].reshape(shape),
+        entropy=loop.entropy_BxN[:, :gen_len].reshape(shape),
         lengths=loop.lengths_B.reshape(p, g), prompt_ids=ids_PxTp, prompt_mask=mask_PxTp)

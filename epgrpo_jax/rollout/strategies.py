@@ -2,8 +2,8 @@
 
 Truncation follows transformers' order: temperature, then top-k, then top-p
 (on the distribution renormalised after top-k). Both cut-offs are thresholds
-found by a bisection over the bits of the values, so no step sorts the
-vocabulary; ties at a threshold are always kept (see `docs/sampling.md`).
+found by a fixed-length bisection over the bits of the values, so no step sorts the
+vocabulary or loops on data; ties at a threshold are always kept (see `docs/sampling.md`).
 `sample_step` picks one token per row; `rollout.sampling.Sampler` calls it at
 every decode step.
 """
@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from epgrpo_jax.kernels.cpu import row_uniforms
 
 _INT_MAX = np.iinfo(np.int32).max
 
@@ -51,31 +53,31 @@ def _from_key(k):
 def largest_threshold(values_BxV: jax.Array, weights_BxV: jax.Array, target_B: jax.Array) -> jax.Array:
   """Per row, the largest value t among the row's values with sum(weights[values >= t]) >= target.
 
-  A bisection over the float bits (as ordered int keys) in which both ends of
-  the bracket [lo, hi) snap to values present in the row, so it stops as soon
-  as lo and the next larger value are neighbours: about log2(distinct values)
-  passes, at most 32. Exact: no rounding of thresholds. If no value reaches the
+  A bisection over the float bits (as ordered int keys) with a fixed number of passes:
+  the largest key k in [key(min), key(max)] with mass(values >= k) >= target is a value's
+  key (the mass changes only at values), and 32 halvings of that range find it, each pass
+  one masked sum over the row, then one pass for the value at the bound. No data-dependent loop, so on an accelerator the decode step
+  never waits for the host. Exact: no rounding of thresholds. If no value reaches the
   target, returns the row's smallest value. Values must not be NaN.
   """
   values_BxV = values_BxV.astype(jnp.float32)
-  inf = jnp.float32(jnp.inf)
   lo_B = _to_key(jnp.min(values_BxV, axis=-1))  # mass(lo) >= target (unless none is)
-  hi_B = _to_key(jnp.max(values_BxV, axis=-1)) + 1  # mass(hi) < target; hi - 1 is a value
+  hi_B = _to_key(jnp.max(values_BxV, axis=-1)) + 1  # mass(hi) < target
 
-  def body(carry):
+  def halve(_, carry):
     lo_B, hi_B = carry
+    open_B = hi_B - 1 > lo_B  # not hi - lo > 1: keys of both signs are more than 2^31 apart
     mid_B = (lo_B | hi_B) - ((lo_B ^ hi_B) >> 1)  # ceil((lo + hi) / 2) without overflow
-    above_BxV = values_BxV >= _from_key(mid_B)[:, None]
-    mass_B = jnp.sum(jnp.where(above_BxV, weights_BxV, 0), axis=-1)
-    first_above_B = jnp.min(jnp.where(above_BxV, values_BxV, inf), axis=-1)
-    last_below_B = jnp.max(jnp.where(above_BxV, -inf, values_BxV), axis=-1)
+    mass_B = jnp.sum(jnp.where(values_BxV >= _from_key(mid_B)[:, None], weights_BxV, 0), axis=-1)
     ok_B = mass_B >= target_B
-    return (jnp.where(ok_B, _to_key(first_above_B), lo_B),
-            jnp.where(ok_B, hi_B, _to_key(last_below_B) + 1))
+    return jnp.where(open_B & ok_B, mid_B, lo_B), jnp.where(open_B & ~ok_B, mid_B, hi_B)
 
-  # hi - 1 > lo, not hi - lo > 1: the keys of values of both signs are more than 2^31 apart.
-  lo_B, _ = lax.while_loop(lambda c: jnp.any(c[1] - 1 > c[0]), body, (lo_B, hi_B))
-  return _from_key(lo_B)
+  lo_B, _ = lax.fori_loop(0, 32, halve, (lo_B, hi_B))  # hi - lo < 2^32: 32 halvings close it
+  # lo is a value's key, unless the backend compares denormals as zero (XLA:CPU does): a
+  # denormal bound then acts as 0, so take the smallest value at or above it (0.0, not -0.0).
+  t_B = _from_key(lo_B)
+  t_B = jnp.min(jnp.where(values_BxV >= t_B[:, None], values_BxV, jnp.inf), axis=-1)
+  return jnp.where(t_B == 0, jnp.float32(0), t_B)
 
 
 Threshold = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # as largest_threshold
@@ -144,9 +146,9 @@ def _last_true(mask_BxM: jax.Array) -> jax.Array:
 def categorical(key: jax.Array, weights_BxV: jax.Array) -> jax.Array:
   """Draws token i with probability w_i / sum(w) (w >= 0, some w > 0 per row).
 
-  Inverse-CDF sampling with one uniform per row, in two levels (a block of
-  the vocabulary, then a token within it), so no [B, V] cumsum or [B, V]
-  random numbers. A token with zero weight is never drawn.
+  Inverse-CDF sampling with one uniform per row (`row_uniforms`: `key` is one key or [B]
+  keys), in two levels (a block of the vocabulary, then a token within it), so no [B, V]
+  cumsum or [B, V] random numbers. A token with zero weight is never drawn.
   """
   b, v = weights_BxV.shape
   bs = _block_size(v)
@@ -154,7 +156,7 @@ def categorical(key: jax.Array, weights_BxV: jax.Array) -> jax.Array:
   w_BxNbxBs = jnp.pad(weights_BxV.astype(jnp.float32), ((0, 0), (0, nb * bs - v))).reshape(b, nb, bs)
   block_BxNb = jnp.sum(w_BxNbxBs, axis=-1)
   block_cum_BxNb = _inclusive_cumsum(block_BxNb)
-  u_B = jax.random.uniform(key, (b,), jnp.float32) * block_cum_BxNb[:, -1]
+  u_B = row_uniforms(key, b) * block_cum_BxNb[:, -1]
 
   def pick(cum_BxM, w_BxM, u_B):  # first index with cum > u and w > 0; else the last w > 0
     hit_BxM = (cum_BxM > u_B[:, None]) & (w_BxM > 0)
@@ -184,7 +186,7 @@ def log_prob_and_entropy(scaled_BxV: jax.Array, tokens_B: jax.Array, lse_B: jax.
 
 def sample_step(key: jax.Array, logits_BxV: jax.Array, cfg: StepConfig,
                 threshold: Threshold = largest_threshold):
-  """One token per row: (tokens_B int32, logp_B, entropy_B).
+  """One token per row: (tokens_B int32, logp_B, entropy_B); `key` is one key or [B] keys.
 
   logp and entropy are those of the temperature-scaled full distribution (not
   the truncated one); for greedy decoding, of temperature 1.

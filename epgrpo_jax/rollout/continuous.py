@@ -1,0 +1,245 @@
+"""Continuous batching: more requests than decode rows, finished rows refilled between blocks.
+
+R requests (prompt p, sample g, key) run through S slots (rows of one cache). One compiled
+program per block inserts the newcomers into free slots (their prompt's cache, prefilled
+once per prompt, copied in; their first token drawn from the prompt's last logits), then
+decodes `refill_every` = k tokens in every slot (a fixed-trip loop, finished slots masked).
+Between blocks the host reads the block's tokens (one small transfer per k tokens), frees
+the slots whose request stopped and assigns queued requests to them. Once the queue is
+empty and at most half the slots are busy, the busy ones move into a state of half as many
+rows (one program per row count), so the tail of long completions does not drag idle rows.
+
+A request's token t is drawn with fold_in(its key, t) (`decode.token_keys`), so its tokens
+depend neither on its slot nor on its neighbours: with the keys `decode.request_keys`
+gives, a request's completion is the static sampler's for the same prompt and sample.
+See docs/sampling.md ("Continuous batching").
+
+Shape suffixes: S slots, C = each slot's cache capacity, Tp prompt slots, P prompts,
+R requests, k tokens per block (K stays the models' kv heads).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax import lax
+
+from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.models import as_dtype, init_cache, rope_table
+
+from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, prepared_model, stops,
+                                       token_keys, weights_of)
+
+
+@struct.dataclass
+class Slots:
+  """The decode state of S slots. A slot is live while its request has not stopped; a free or
+  finished slot is `done` and its steps are masked (its index and position stand still)."""
+
+  cache: dict  # k, v per layer; valid [S, C]; index [S]: the slot its next token is written to
+  last_S: jax.Array  # the last token
+  positions_S: jax.Array  # its position
+  t_S: jax.Array  # tokens of the request emitted so far
+  done_S: jax.Array
+  keys_S: jax.Array  # the request's key
+  cap_S: jax.Array  # the request's length cap: min(max_new_tokens, its stop_after)
+
+
+@struct.dataclass
+class Block:
+  """What one block emitted: column 0 the first tokens of the slots filled at its start,
+  columns 1..k its decode steps; `live` marks the real tokens."""
+
+  tokens_Sxk: jax.Array
+  logp_Sxk: jax.Array
+  entropy_Sxk: jax.Array
+  live_Sxk: jax.Array
+
+
+def slot_capacity(config, prompt_slots: int, max_new: int) -> int:
+  """Cache slots per row: `slot_tokens`, or the prompt bucket + max_new's length bucket."""
+  need = prompt_slots + max_new
+  if config.slot_tokens and need > config.slot_tokens:
+    raise UserError(f"sampling.slot_tokens: {config.slot_tokens} cannot hold a request of "
+                    f"{prompt_slots} prompt slots + {max_new} new tokens")
+  return config.slot_tokens or prompt_slots + bucket(max_new, config.length_buckets)
+
+
+def empty_slots(model_cfg, s: int, capacity: int, cache_dtype, keys_R) -> Slots:
+  cache = init_cache(model_cfg, s, capacity, cache_dtype)
+  cache["index"] = jnp.zeros((s,), jnp.int32)
+  zeros = jnp.zeros((s,), jnp.int32)
+  return Slots(cache=cache, last_S=zeros, positions_S=zeros, t_S=zeros, done_S=jnp.ones((s,), bool),
+               keys_S=jnp.repeat(keys_R[:1], s), cap_S=zeros)
+
+
+def prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype):
+  """Each prompt once: (its cache over Tp slots, the logits after its last token [P, V])."""
+  p, tp = ids_PxTp.shape
+  positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
+  hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
+                               init_cache(model.cfg, p, tp, cache_dtype),
+                               rope_table=rope_table(model.cfg, tp))
+  return cache, logits_of(hidden_PxTpxD[:, -1])
+
+
+def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
+           eos_E, choose: Callable, pad_id: int) -> tuple[Slots, tuple]:
+  """Slots marked `fill_S` take a new request: prompt `prompt_S`'s cache (a scatter of its Tp
+  slots; the rest of the row marked invalid), its key and cap, and its first token. Returns
+  the slots and that token's (tokens, logp, entropy, live) column."""
+  s = fill_S.shape[0]
+  tp = store["valid"].shape[1]
+  rows_S = jnp.where(fill_S, jnp.arange(s), s)  # s: dropped
+  cache = dict(slots.cache)
+  cache["k"] = [c.at[rows_S, :, :, :tp].set(new[prompt_S].astype(c.dtype), mode="drop")
+                for c, new in zip(cache["k"], store["k"])]
+  cache["v"] = [c.at[rows_S, :, :tp].set(new[prompt_S].astype(c.dtype), mode="drop")
+                for c, new in zip(cache["v"], store["v"])]
+  valid_SxC = jnp.zeros_like(cache["valid"]).at[:, :tp].set(store["valid"][prompt_S])
+  cache["valid"] = jnp.where(fill_S[:, None], valid_SxC, cache["valid"])
+  cache["index"] = jnp.where(fill_S, tp, cache["index"])
+  tokens_S, logp_S, entropy_S = choose(token_keys(keys_S, 0), first_logits_PxV[prompt_S])
+  tokens_S = jnp.where(fill_S, tokens_S, pad_id)
+  slots = slots.replace(
+      cache=cache, last_S=jnp.where(fill_S, tokens_S, slots.last_S),
+      positions_S=jnp.where(fill_S, prompt_len_P[prompt_S], slots.positions_S),
+      t_S=jnp.where(fill_S, 1, slots.t_S),
+      done_S=jnp.where(fill_S, stops(tokens_S, eos_E) | (cap_S <= 1), slots.done_S),
+      keys_S=jnp.where(fill_S, keys_S, slots.keys_S), cap_S=jnp.where(fill_S, cap_S, slots.cap_S))
+  zero = jnp.float32(0)
+  return slots, (tokens_S, jnp.where(fill_S, logp_S, zero), jnp.where(fill_S, entropy_S, zero), fill_S)
+
+
+def decode_step(model, logits_of, rope, slots: Slots, eos_E, choose: Callable, pad_id: int):
+  """One token for every live slot (the others masked): (slots, (tokens, logp, entropy, live))."""
+  s = slots.last_S.shape[0]
+  hidden_Sx1xD, cache = model(slots.last_S[:, None], slots.positions_S[:, None], jnp.ones((s, 1), bool),
+                              slots.cache, rope_table=rope)
+  tokens_S, logp_S, entropy_S = choose(token_keys(slots.keys_S, slots.t_S), logits_of(hidden_Sx1xD[:, 0]))
+  live_S = ~slots.done_S
+  tokens_S = jnp.where(live_S, tokens_S, pad_id)
+  step_S = live_S.astype(jnp.int32)
+  cache["index"] = slots.cache["index"] + step_S
+  t_S = slots.t_S + step_S
+  slots = slots.replace(
+      cache=cache, last_S=jnp.where(live_S, tokens_S, slots.last_S),
+      positions_S=slots.positions_S + step_S, t_S=t_S,
+      done_S=slots.done_S | (live_S & (stops(tokens_S, eos_E) | (t_S >= slots.cap_S))))
+  zero = jnp.float32(0)
+  return slots, (tokens_S, jnp.where(live_S, logp_S, zero), jnp.where(live_S, entropy_S, zero), live_S)
+
+
+def run_block(graphdef, state, weights, store, first_logits_PxV, prompt_len_P, slots: Slots, fill_S, prompt_S,
+              keys_S, cap_S, eos_E, *, cfg, kernels: bool, k: int, capacity: int, pad_id: int):
+  """The compiled block: insert the newcomers, then k decode steps (`lax.scan`, no host test)."""
+  choose = chooser(cfg, kernels)
+  with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights, prepare=cfg.packed_weights,
+                      weights=weights) as (model, logits_of):
+    rope = rope_table(model.cfg, capacity)
+    slots, first = insert(slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
+                          eos_E, choose, pad_id)
+    step = functools.partial(decode_step, model, logits_of, rope, eos_E=eos_E, choose=choose,
+                             pad_id=pad_id)
+    slots, steps = lax.scan(lambda c, _: step(c), slots, length=k)
+  columns = [jnp.concatenate([a[:, None], b.T], axis=1) for a, b in zip(first, steps)]
+  return slots, Block(*columns)
+
+
+def _shrink(slots: Slots, order_s: jax.Array) -> Slots:
+  """The slots `order_s` (a gather over every per-slot leaf), as a state of fewer rows."""
+  return jax.tree.map(lambda x: x[order_s] if x.ndim else x, slots)
+
+
+def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarray, g: int,
+             keys_R: jax.Array, max_new: int, eos_E: jax.Array,
+             stop_after_R: np.ndarray | None = None) -> SampleOutput:
+  """The P x G requests (request r = p * G + g, key keys_R[r]) through `config.slots` slots;
+  the same output as the static sampler's. `stop_after_R` caps each request's length."""
+  cfg, pad = sampler.config, sampler.pad_id
+  p, tp = ids_PxTp.shape
+  r_count, s, k = p * g, cfg.slots, cfg.refill_every
+  capacity = slot_capacity(cfg, tp, max_new)
+  kernels = sampler.uses_cpu_kernels()
+  cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
+  caps_R = np.full(r_count, max_new, np.int32)
+  if stop_after_R is not None:
+    caps_R = np.minimum(caps_R, np.asarray(stop_after_R, np.int32).reshape(r_count))
+  ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
+
+  def prefill_program(state, ids, mask):
+    with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights,
+                        prepare=False) as (model, logits_of):
+      return prefill(model, logits_of, ids, mask, cache_dtype)
+
+  store, first_logits = sampler.compiled(graphdef, f"prefill prompts={p} prompt_len={tp}",
+                                         prefill_program, (state, ids, mask))(state, ids, mask)
+  prompt_len_P = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+  attention = (functools.partial(cpu_kernels.decode_attention, share_rows=1, shared_slots=0)
+               if kernels else None)
+  block_fn = functools.partial(run_block, graphdef, cfg=cfg, kernels=kernels, k=k, capacity=capacity,
+                               pad_id=pad)
+  packed = kernels and cfg.packed_weights
+  prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=packed)
+  weights = sampler.compiled(graphdef, "prepare weights", prepare, (state,))(state)
+  slots = empty_slots(nnx.merge(graphdef, state).cfg, s, capacity, cache_dtype, keys_R)
+
+  tokens_RxN = np.full((r_count, max_new), pad, np.int32)
+  logp_RxN = np.zeros((r_count, max_new), np.float32)
+  entropy_RxN = np.zeros((r_count, max_new), np.float32)
+  lengths_R = np.zeros(r_count, np.int32)
+  queue = collections.deque(range(r_count))
+  owner = [-1] * s  # the request in each slot
+  sampler.decode_row_steps = 0  # rows x decode steps run, for benchmarks
+  while True:
+    rows = len(owner)
+    busy = [i for i in range(rows) if owner[i] >= 0]
+    while not queue and rows > 1 and len(busy) <= rows // 2:  # the tail: fewer rows
+      rows //= 2
+      order = busy + [i for i in range(len(owner)) if owner[i] < 0][:rows - len(busy)]
+      order_arg = jnp.asarray(order, jnp.int32)
+      shrink = sampler.compiled(graphdef, f"shrink slots={len(owner)}->{rows} capacity={capacity}",
+                                _shrink, (slots, order_arg))
+      slots = shrink(slots, order_arg)
+      owner = [owner[i] for i in order]
+      busy = list(range(len(busy)))
+    fill = np.zeros(rows, bool)
+    prompt_s, key_idx, cap_s = np.zeros(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+    for i in range(rows):
+      if owner[i] < 0 and queue:
+        r = queue.popleft()
+        owner[i], fill[i], prompt_s[i], key_idx[i], cap_s[i] = r, True, r // g, r, caps_R[r]
+    if all(o < 0 for o in owner):
+      break
+    args = (state, weights, store, first_logits, prompt_len_P, slots, jnp.asarray(fill), jnp.asarray(prompt_s),
+            keys_R[jnp.asarray(key_idx)], jnp.asarray(cap_s), eos_E)
+    tag = f"block slots={rows} tokens={k} prompts={p} prompt_len={tp} capacity={capacity}"
+    program = sampler.compiled(graphdef, tag, block_fn, args, attention)
+    slots, block = program(*args)
+    sampler.decode_row_steps += rows * k
+    out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))
+    for i in range(rows):
+      r = owner[i]
+      if r < 0:
+        continue
+      live = out.live_Sxk[i]
+      n_live = int(live.sum())
+      end = int(t_S[i])
+      tokens_RxN[r, end - n_live:end] = out.tokens_Sxk[i][live]
+      logp_RxN[r, end - n_live:end] = out.logp_Sxk[i][live]
+      entropy_RxN[r, end - n_live:end] = out.entropy_Sxk[i][live]
+      if done_S[i]:
+        lengths_R[r], owner[i] = end, -1
+  mask_RxN = np.arange(max_new)[None, :] < lengths_R[:, None]
+  shape = (p, g, max_new)
+  return SampleOutput(
+      tokens=jnp.asarray(tokens_RxN.reshape(shape)), mask=jnp.asarray(mask_RxN.reshape(shape)),
+      logp=jnp.asarray(logp_RxN.reshape(shape)), entropy=jnp.asarray(entropy_RxN.reshape(shape)),
+      lengths=jnp.asarray(lengths_R.reshape(p, g)), prompt_ids=ids, prompt_mask=mask)
