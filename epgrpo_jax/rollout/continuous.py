@@ -75,9 +75,10 @@ def slot_capacity(config, prompt_slots: int, max_new: int) -> int:
 def empty_slots(model_cfg, s: int, capacity: int, cache_dtype, keys_R) -> Slots:
   cache = init_cache(model_cfg, s, capacity, cache_dtype)
   cache["index"] = jnp.zeros((s,), jnp.int32)
-  zeros = jnp.zeros((s,), jnp.int32)
-  return Slots(cache=cache, last_S=zeros, positions_S=zeros, t_S=zeros, done_S=jnp.ones((s,), bool),
-               keys_S=jnp.repeat(keys_R[:1], s), cap_S=zeros)
+  def zeros():  # distinct buffers: the block program donates them
+    return jnp.zeros((s,), jnp.int32)
+  return Slots(cache=cache, last_S=zeros(), positions_S=zeros(), t_S=zeros(),
+               done_S=jnp.ones((s,), bool), keys_S=jnp.repeat(keys_R[:1], s), cap_S=zeros())
 
 
 def prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype):
@@ -221,7 +222,7 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
     args = (state, weights, store, first_logits, prompt_len_P, slots, jnp.asarray(fill), jnp.asarray(prompt_s),
             keys_R[jnp.asarray(key_idx)], jnp.asarray(cap_s), eos_E)
     tag = f"block slots={rows} tokens={k} prompts={p} prompt_len={tp} capacity={capacity}"
-    program = sampler.compiled(graphdef, tag, block_fn, args, attention)
+    program = sampler.compiled(graphdef, tag, block_fn, args, attention, donate=(5,))  # the slots
     slots, block = program(*args)
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))

@@ -267,10 +267,11 @@ class Sampler:
                         logp=out.logp[..., :max_new], entropy=out.entropy[..., :max_new])
     return out
 
-  def compiled(self, graphdef, tag: str, fn: Callable, args, attention: Callable | None = None):
+  def compiled(self, graphdef, tag: str, fn: Callable, args, attention: Callable | None = None,
+               donate: tuple[int, ...] = ()):
     """`fn` jitted and compiled for `args` once per (model structure, `tag`, argument
-    signature), traced with `attention` as the decode kernel; shared within
-    `shared_programs`; each compilation counted and logged."""
+    signature), traced with `attention` as the decode kernel, the arguments `donate` donated
+    (updated in place); shared within `shared_programs`; each compilation counted and logged."""
     leaves, treedef = jax.tree.flatten(args)
     signature = (graphdef, tag, treedef,
                  tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
@@ -283,7 +284,7 @@ class Sampler:
     if program is None:
       start = time.perf_counter()
       with decode_kernel(attention):  # read while tracing
-        program = jax.jit(fn).lower(*args).compile()
+        program = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
       self._programs[signature] = program
       if _SHARED_PROGRAMS is not None:
         _SHARED_PROGRAMS[shared_key] = program

@@ -1,0 +1,136 @@
+"""Static vs continuous batching of the same rollout requests, alternating, in one run.
+
+P prompts x G completions of a random `--preset` model (bench-tiny: vocab 1024, hidden 256, 4
+layers). Prompt lengths are training questions as training renders them and completion
+lengths MATH solution lengths, both in Qwen2.5 tokens (`packing.math_lengths`), drawn once;
+the lengths are imposed on the random model by a stop schedule (`Sampler.sample(...,
+stop_after=)`, stop tokens ignored), capped at `--new-tokens`. Both sides get the same
+prompts, keys and schedule, and produce the same completions. T 1.0, top-p 0.95.
+
+Printed per side: median seconds per call, useful tokens/s (tokens of the completions),
+useful-slot fraction (decode row-steps that produced a real token / all decode row-steps;
+the first token of each completion comes from the prefill on both sides and is left out of
+both counts), programs compiled while timed (must be 0), the largest compiled program's
+footprint (arguments + temporaries + outputs, `memory_analysis`), and the device's or the
+process's peak memory.
+
+  python benchmarks/rollout.py [--prompts 16] [--samples 8] [--new-tokens 2048] [--slots 32]
+      [--refill-every 8] [--rounds 2] [--preset bench-tiny] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+import numpy as np
+
+import _common as C
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--prompts", type=int, default=16, help="P prompts")
+  ap.add_argument("--samples", type=int, default=8, help="G completions per prompt")
+  ap.add_argument("--new-tokens", type=int, default=2048, help="sampling.max_new_tokens")
+  ap.add_argument("--max-prompt-tokens", type=int, default=512, help="data.max_prompt_tokens")
+  ap.add_argument("--slots", type=int, default=32, help="sampling.slots")
+  ap.add_argument("--refill-every", type=int, default=8, help="sampling.refill_every")
+  ap.add_argument("--stop-check-every", type=int, default=8, help="sampling.stop_check_every")
+  ap.add_argument("--rounds", type=int, default=2, help="timed calls of each side")
+  ap.add_argument("--preset", default="bench-tiny")
+  ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  ap.add_argument("--seed", type=int, default=0)
+  return ap.parse_args(argv)
+
+
+def static_row_steps(lengths: np.ndarray, k: int) -> int:
+  """Decode row-steps of the static sampler: every row until the longest completion's last
+  token, in blocks of k steps after the first token."""
+  longest = int(lengths.max())
+  return lengths.size * k * -(-(longest - 1) // k)
+
+
+def largest_program_bytes(sampler) -> int:
+  return max(C.peak_bytes(p.memory_analysis()) for p in sampler._programs.values())
+
+
+def main(argv=None) -> None:
+  args = parse_args(argv)
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from epgrpo_jax.models import Qwen2, preset
+  from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+  from packing import math_lengths
+
+  print(C.machine_line())
+  print("jax", jax.__version__, jax.devices()[0].device_kind)
+  p, g = args.prompts, args.samples
+  prompt_lengths, completion_lengths = math_lengths(args.max_prompt_tokens, 2000, args.seed)
+  rng = np.random.default_rng(args.seed)
+  lp_P = rng.choice(prompt_lengths, p)
+  lengths_PxG = np.minimum(rng.choice(completion_lengths, (p, g)), args.new_tokens).astype(np.int32)
+  cfg = preset(args.preset, param_dtype=args.dtype, dtype=args.dtype)
+  model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(args.seed)))
+  C._fill_random(model, args.seed, jnp.dtype(args.dtype))
+  prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lp_P]
+  print(f"{args.preset} {args.dtype}, P x G = {p} x {g}, max_new_tokens {args.new_tokens}; prompt "
+        f"lengths {lp_P.min()}-{lp_P.max()}, completion lengths mean {lengths_PxG.mean():.0f} "
+        f"median {np.median(lengths_PxG):.0f} max {lengths_PxG.max()}")
+
+  base = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens, ignore_eos=True,
+                        stop_check_every=args.stop_check_every)
+  sides = {"static": Sampler(base),
+           "continuous": Sampler(base.replace(continuous=True, slots=args.slots,
+                                              refill_every=args.refill_every))}
+  graph = nnx.split(model)
+  key = jax.random.key(args.seed)
+  outs = {}
+
+  def call(name):
+    outs[name] = jax.block_until_ready(sides[name].sample(graph, prompts, g, key, stop_after=lengths_PxG))
+
+  for name in sides:  # compile every program (the tail's smaller row counts too)
+    start = time.perf_counter()
+    call(name)
+    print(f"{name}: first call {time.perf_counter() - start:.1f} s, "
+          f"{sides[name].num_compilations} programs")
+  times = {name: [] for name in sides}
+  with C.CompileCounter() as compiles:
+    for i in range(args.rounds):
+      for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+        times[name].append(C.time_call(lambda: call(name)))
+  a, b = outs["static"], outs["continuous"]
+  rows_same = (np.asarray(a.tokens) == np.asarray(b.tokens)).all(-1)
+  first_diff = np.argmin(np.asarray(a.tokens) == np.asarray(b.tokens), -1)[~rows_same]
+  prefix = np.arange(args.new_tokens) < (first_diff.min() if first_diff.size else args.new_tokens)
+  logp_gap = np.abs(np.asarray(a.logp) - np.asarray(b.logp))[..., prefix].max()
+  same = (f"{rows_same.sum()} of {rows_same.size} completions token for token"
+          + (f" (the others part at token {first_diff.min()} or later)" if first_diff.size else "")
+          + f", log-prob gap before the first parting {logp_gap:.1e}")
+  useful = int(lengths_PxG.sum())
+  decode_useful = useful - lengths_PxG.size
+  row_steps = {"static": static_row_steps(lengths_PxG, args.stop_check_every),
+               "continuous": sides["continuous"].decode_row_steps}
+  assert (np.asarray(a.lengths) == lengths_PxG).all() and (np.asarray(b.lengths) == lengths_PxG).all()
+  rates = {}
+  for name in sides:
+    seconds = C.median(times[name])
+    rates[name] = useful / seconds
+    print(f"{name:>10}: {seconds:.2f} s/call (runs {', '.join(f'{t:.2f}' for t in times[name])}), "
+          f"{rates[name]:.0f} useful tokens/s, useful-slot fraction "
+          f"{decode_useful / row_steps[name]:.1%} ({decode_useful} of {row_steps[name]} row-steps), "
+          f"largest program {largest_program_bytes(sides[name]) / 2**20:.1f} MiB")
+  peak = C.device_peak_bytes()
+  peak_text = (f"device peak {peak / 2**30:.2f} GiB" if peak is not None else
+               f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+  print(f"continuous / static: {rates['continuous'] / rates['static']:.2f}x useful tokens/s; "
+        f"compiled while timed: {compiles.count}; {peak_text}\nsame completions: {same}")
+  print(C.machine_line())
+
+
+if __name__ == "__main__":
+  main()
