@@ -58,9 +58,8 @@ def scored_batch(trainer: Trainer, state, key, advantage_fn) -> steps.UpdateBatc
 
 
 @pytest.mark.parametrize("overrides", [(), ("train.reuse_sampler_logprobs=true",),
-                                       ("train.grad_accumulation=2", "model.remat=true"),
-                                       ("sampling.continuous=true", "sampling.slots=4")],
-                         ids=["scoring-pass", "sampler-logprobs", "accumulation-remat", "continuous"])
+                                       ("train.grad_accumulation=2", "model.remat=true")],
+                         ids=["scoring-pass", "sampler-logprobs", "accumulation-remat"])
 def test_smoke_run_writes_metrics_checkpoint_and_policy(task, tmp_path, overrides):
   cfg = tiny_config(task, tmp_path / "run", *overrides)
   summary = train(cfg)
