@@ -62,7 +62,9 @@ def config(task, out_dir, *overrides: str) -> TrainConfig:
       "sampling.max_new_tokens=16", "sampling.length_buckets=[16]", "sampling.decode_segments=1",
       "lora.rank=4", "advantage.eps=1e-3", "reward.function=test_sharding:digit_reward",
       "optim.learning_rate=1e-3", "optim.warmup_ratio=0.0", f"train.output_dir={out_dir}",
-      "logging.progress=false", "logging.tensorboard=false", *overrides)
+      # train.seed: T 1 draws that land within float rounding (1e-6) of a token boundary part the
+      # runs; with the sampler's per-request keys the default seed's first step has one such.
+      "train.seed=1", "logging.progress=false", "logging.tensorboard=false", *overrides)
 
 
 def run(task, out_dir, mesh, *overrides: str, fused: bool = True) -> dict:
