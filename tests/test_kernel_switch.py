@@ -22,7 +22,7 @@ from epgrpo_jax.kernels import cpu
 from epgrpo_jax.models import _attention, _lora
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 print(cpu.available(), _attention.resolve("auto", jnp.float32) == "cpu", _lora.runs_cpu_kernels(),
-      Sampler(SamplingConfig())._use_cpu_kernels(), cpu.packing_for(jnp.float32) is not None,
+      Sampler(SamplingConfig()).uses_cpu_kernels(), cpu.packing_for(jnp.float32) is not None,
       cpu.bf16_unit() is not None)
 """
 
