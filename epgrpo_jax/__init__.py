@@ -7,6 +7,10 @@ sampler and rewards) load on first use. The training loop is
 
 import importlib
 
+from epgrpo_jax.parallel.tpu_env import quiet_absent_tpu
+
+quiet_absent_tpu()  # before JAX loads: an installed libtpu stays silent where no TPU is attached
+
 # Everything loads on first use, so that importing one module (`epgrpo_jax.rewards` in a reward
 # worker, `epgrpo_jax.io.errors`) does not pull in JAX through this file.
 _LAZY = {

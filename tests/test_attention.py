@@ -295,10 +295,10 @@ def test_blockwise_backward_temporaries_shrink():
 
 def test_training_config_reaches_the_model():
   from epgrpo_jax.training.config import ModelRunConfig
-  from epgrpo_jax.training.trainer import _with_runtime_options
+  from epgrpo_jax.training.trainer import with_runtime_options
   model = random_model(tiny_config())
   section = ModelRunConfig(remat=True, attention="blockwise", attention_block=64)
-  cfg = _with_runtime_options(model, section).cfg
+  cfg = with_runtime_options(model, section).cfg
   assert (cfg.remat, cfg.attention, cfg.attention_block) == (True, "blockwise", 64)
   with pytest.raises(ValueError, match="model.attention"):
     ModelRunConfig(attention="flash")

@@ -43,6 +43,7 @@ import numpy as np
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.models._config import ATTENTION as IMPLEMENTATIONS
+from epgrpo_jax.parallel.platform import backend as program_backend
 
 _NEG = -1e30  # finite, so that a row with no valid key gets a uniform, not NaN, softmax
 
@@ -58,7 +59,7 @@ def resolve(name: str, dtype, backend: str | None = None) -> str:
     raise UserError(f"model.attention: unknown {name!r}; use one of {list(IMPLEMENTATIONS)}")
   if name != "auto":
     return name
-  backend = backend or jax.default_backend()
+  backend = backend or program_backend()
   if backend == "cpu":
     return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu_kernels.available() else "plain"
   if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):

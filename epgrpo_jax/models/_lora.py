@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.parallel.platform import backend
 
 # Filters over model state: adapters only, and the frozen base.
 LORA = nnx.LoRAParam
@@ -32,7 +33,7 @@ def matmul(x: jax.Array, w_IxO: jax.Array) -> jax.Array:
   -> float32 ones, which run on the CPU's bf16 units. Accelerators accumulate in float32
   inside their bf16 dots already. On CPU in float32, products of many rows run on AVX-512
   panels where they can (`_on_panels`)."""
-  if jax.default_backend() != "cpu":
+  if backend() != "cpu":
     return x @ w_IxO
   if x.dtype == w_IxO.dtype == jnp.float32:
     return _panel_matmul(x, w_IxO) if _on_panels(x, w_IxO) else x @ w_IxO
@@ -70,7 +71,7 @@ def one_device() -> bool:
 def runs_cpu_kernels() -> bool:
   """Whether the program being traced may call the C++ CPU kernels: on the CPU backend, on a
   single device (`one_device`), with the kernels built here (`cpu.available()`)."""
-  return jax.default_backend() == "cpu" and one_device() and cpu_kernels.available()
+  return backend() == "cpu" and one_device() and cpu_kernels.available()
 
 
 def _bf16_unit(x, w_IxO) -> str | None:
@@ -172,7 +173,7 @@ def _rank_transposed_matmul(r_NxR: jax.Array, v_NxF: jax.Array) -> jax.Array:
   """r^T @ v [R, F], contracting over tokens with the rank-sized operand transposed (on CPU a
   barrier keeps XLA from folding the transpose back into the dot and transposing the
   [tokens, features] one instead; other backends pick their own dot layouts)."""
-  barrier = jax.lax.optimization_barrier if jax.default_backend() == "cpu" else lambda v: v
+  barrier = jax.lax.optimization_barrier if backend() == "cpu" else lambda v: v
   return matmul(barrier(r_NxR.T), v_NxF)
 
 
@@ -182,7 +183,7 @@ def folds_adapters(dtype, rows: int, d_in: int, d_out: int) -> bool:
   TF32 / bf16 passes of accelerators' default float32 dots, would round the small delta away),
   and only when the merge (d_in * d_out * rank multiply-adds) costs less than the rank
   products (rows * rank * (d_in + d_out))."""
-  return (jnp.dtype(dtype) == jnp.float32 and jax.default_backend() == "cpu"
+  return (jnp.dtype(dtype) == jnp.float32 and backend() == "cpu"
           and rows * (d_in + d_out) > d_in * d_out)
 
 

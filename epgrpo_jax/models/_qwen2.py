@@ -24,6 +24,7 @@ from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.parallel.platform import backend
 from epgrpo_jax.models._lora import Linear, fused, fused_product, runs_cpu_kernels
 
 Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
@@ -78,7 +79,7 @@ def recompute_in_backward(fn: Callable) -> Callable:
   recomputation with the forward's values; the trainer compiles such programs without CSE
   (`training.programs.cpu_remat_options`).
   """
-  if jax.default_backend() != "cpu":
+  if backend() != "cpu":
     return jax.checkpoint(fn)
 
   @jax.custom_vjp
@@ -218,7 +219,7 @@ def write_slots(cache: jax.Array, new: jax.Array, start: tuple) -> jax.Array:
   decode step.
   """
   new = new.astype(cache.dtype)
-  if cache.dtype not in (jnp.bfloat16, jnp.float16) or jax.default_backend() != "cpu":
+  if cache.dtype not in (jnp.bfloat16, jnp.float16) or backend() != "cpu":
     return jax.lax.dynamic_update_slice(cache, new, start)
   bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
   return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(bits(cache), bits(new), start),
@@ -231,7 +232,7 @@ def write_row_slots(cache: jax.Array, new: jax.Array, index_B: jax.Array, axis: 
   float cache on CPU is written through its bits, as in `write_slots`."""
   dtype = cache.dtype
   new = new.astype(dtype)
-  bits = dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu"
+  bits = dtype in (jnp.bfloat16, jnp.float16) and backend() == "cpu"
   if bits:
     cache, new = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (cache, new))
   index = (jnp.arange(cache.shape[0]),) + (slice(None),) * (axis - 1) + (index_B,)

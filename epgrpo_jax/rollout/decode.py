@@ -167,9 +167,14 @@ def stops(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
   return jnp.any(tokens_B[:, None] == eos_E[None, :], axis=-1)
 
 
+def block(step: Callable, k: int, carry):
+  """`k` steps of `step` on `carry`, a fixed-trip loop (`lax.fori_loop`)."""
+  return lax.fori_loop(0, k, lambda _, x: step(x), carry)
+
+
 def in_blocks(cond: Callable, step: Callable, k: int, carry):
   """`while cond(carry): carry = step(carry)`, with the test made once per `k` steps: a while
-  loop over fixed-trip blocks of `k` steps (`lax.fori_loop`), so a block never waits on a
+  loop over fixed-trip blocks of `k` steps (`block`), so a block never waits on a
   data-dependent predicate. `step` must leave a carry that is past its end unchanged in
   what matters (masked), since up to k - 1 steps run after `cond` turns false."""
-  return lax.while_loop(cond, lambda c: lax.fori_loop(0, k, lambda _, x: step(x), c), carry)
+  return lax.while_loop(cond, functools.partial(block, step, k), carry)

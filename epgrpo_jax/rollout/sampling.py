@@ -35,9 +35,10 @@ from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, rope_t
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
+from epgrpo_jax.parallel.platform import mesh_backend, mesh_platform, program_platform
 from epgrpo_jax.rollout import continuous
-from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, in_blocks, left_pad, prepared_model,
-                                       request_keys, round_up, stops, token_keys)
+from epgrpo_jax.rollout.decode import (SampleOutput, block, bucket, chooser, in_blocks, left_pad,
+                                       prepared_model, request_keys, round_up, stops, token_keys)
 
 __all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends",
            "shared_programs"]
@@ -236,7 +237,7 @@ class Sampler:
       key = jax.random.wrap_key_data(key)
 
     if self.mesh is not None:
-      batch = sharding.NamedSharding(self.mesh, sharding.spec_for(("batch", None), ids_PxTp.shape, self.mesh))
+      batch = self.prompt_sharding(ids_PxTp.shape)
       ids, mask = put(ids_PxTp, batch), put(mask_PxTp, batch)
       key = put(key, sharding.replicated(self.mesh))
     else:
@@ -255,12 +256,10 @@ class Sampler:
       caps_B = np.minimum(caps_B, np.asarray(stop_after, np.int32).reshape(-1))
     caps_B = caps_B if self.mesh is None else put(caps_B, sharding.replicated(self.mesh))
     args = (state, ids, mask, key, jnp.asarray(caps_B), eos)
-    fn = functools.partial(self._generate, graphdef, num_samples=num_samples, gen_len=n,
-                           kernels=kernels)
-    attention = (functools.partial(cpu_kernels.decode_attention, share_rows=num_samples, shared_slots=tp)
-                 if kernels else None)
+    fn = functools.partial(self._generate, graphdef, part="sample", num_samples=num_samples,
+                           gen_len=n, kernels=kernels)
     program = self.compiled(graphdef, f"prompts={p} prompt_len={tp} gen_len={n} samples={num_samples}",
-                            fn, args, attention)
+                            fn, args, self._attention(kernels, num_samples, tp))
     out = program(*args)
     if max_new < n:
       out = out.replace(tokens=out.tokens[..., :max_new], mask=out.mask[..., :max_new],
@@ -283,8 +282,7 @@ class Sampler:
         self._programs[signature] = program
     if program is None:
       start = time.perf_counter()
-      with decode_kernel(attention):  # read while tracing
-        program = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+      program = self._lower(fn, args, attention, donate)
       self._programs[signature] = program
       if _SHARED_PROGRAMS is not None:
         _SHARED_PROGRAMS[shared_key] = program
@@ -293,6 +291,40 @@ class Sampler:
                   time.perf_counter() - start)
     return program
 
+  def _lower(self, fn: Callable, args, attention: Callable | None, donate: tuple[int, ...] = ()):
+    """`fn` jitted and compiled for `args`, traced with `attention` as the decode kernel and for
+    the platform of the sampler's mesh (`parallel.platform`: per-backend choices follow it)."""
+    with decode_kernel(attention), program_platform(mesh_platform(self.mesh)):  # read while tracing
+      return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+
+  @staticmethod
+  def _attention(kernels: bool, num_samples: int, prompt_len: int) -> Callable | None:
+    """The decode attention kernel: the C++ one with `kernels` (a prompt's Tp slots read once
+    for its G rows), else None (the model's own)."""
+    return (functools.partial(cpu_kernels.decode_attention, share_rows=num_samples,
+                              shared_slots=prompt_len) if kernels else None)
+
+  def prompt_sharding(self, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+    """Where the prompts [P, Tp] live on the sampler's mesh: P over data x fsdp."""
+    return sharding.NamedSharding(self.mesh, sharding.spec_for(("batch", None), shape, self.mesh))
+
+  def compile(self, graphdef, args, *, num_samples: int, gen_len: int, prompt_len: int,
+              part: str = "sample"):
+    """A part of the static sampler's program compiled for `args` (arrays, or
+    `jax.ShapeDtypeStruct`s with shardings: `tools/compile_check.py` compiles for a TPU
+    topology from a CPU host), uncached and uncounted.
+
+    `part` "sample": the whole program `sample` runs, args (state, ids [P, Tp], mask, key,
+    caps [B], eos ids); its parts alone, for their costs: "prefill", the same args, returning
+    (loop state, keys [B]); "block", one block of `config.stop_check_every` decode steps (the
+    decode loop's body, no stop test inside), args (state, loop state, keys [B], caps [B], eos
+    ids, rope table). `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU
+    kernels) follow the mesh's devices."""
+    kernels = self.uses_cpu_kernels()
+    fn = functools.partial(self._generate, graphdef, part=part, num_samples=num_samples,
+                           gen_len=gen_len, kernels=kernels)
+    return self._lower(fn, args, self._attention(kernels, num_samples, prompt_len))
+
   def uses_cpu_kernels(self) -> bool:
     """Whether the C++ kernels apply: one CPU device, and they could be built.
 
@@ -300,7 +332,7 @@ class Sampler:
     identical copies of them.
     """
     one_device = self.mesh is None or self.mesh.size == 1
-    return (self.config.cpu_kernels and one_device and jax.default_backend() == "cpu"
+    return (self.config.cpu_kernels and one_device and mesh_backend(self.mesh) == "cpu"
             and cpu_kernels.available())
 
   # -- the compiled program -------------------------------------------------
@@ -310,50 +342,55 @@ class Sampler:
       return cache
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
-  def _generate(self, graphdef, state, *args, kernels: bool, **kwargs) -> SampleOutput:
-    """`_decode` of the model, its weights prepared once here, outside the decode loop
-    (`decode.prepared_model`; with `kernels`, packed for the CPU's products)."""
+  def _generate(self, graphdef, state, *args, kernels: bool, num_samples: int, gen_len: int,
+                part: str = "sample"):
+    """`part` (`compile`) of the model's decode, `_decode`, `_prefill` or `_block`, its weights
+    prepared once here, outside the decode loop (`decode.prepared_model`; with `kernels`,
+    packed for the CPU's products)."""
     cfg = self.config
     with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights,
                         prepare=cfg.packed_weights) as (model, logits_of):
-      return self._decode(model, logits_of, *args, choose=chooser(cfg, kernels), **kwargs)
+      choose = chooser(cfg, kernels)
+      if part == "block":
+        return self._block(model, logits_of, *args, choose=choose)
+      run = self._prefill if part == "prefill" else self._decode
+      return run(model, logits_of, *args, num_samples=num_samples, gen_len=gen_len, choose=choose)
 
-  def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
-              num_samples: int, gen_len: int, choose: Callable) -> SampleOutput:
+  def _emit(self, loop: _Loop, tokens_B, logp_B, entropy_B, caps_B, eos_E) -> _Loop:
+    """`loop` with this step's tokens, log-probs and entropies written (pad / 0 for done rows
+    and rows at their cap: a block may run past the cap, masked)."""
+    live_B = ~loop.done_B & (loop.step < caps_B)
+    tokens_B = jnp.where(live_B, tokens_B, self.pad_id)
+    zero = jnp.float32(0)
+    return loop.replace(
+        step=loop.step + 1,
+        tokens_BxN=lax.dynamic_update_slice(loop.tokens_BxN, tokens_B[:, None], (0, loop.step)),
+        logp_BxN=lax.dynamic_update_slice(
+            loop.logp_BxN, jnp.where(live_B, logp_B, zero)[:, None], (0, loop.step)),
+        entropy_BxN=lax.dynamic_update_slice(
+            loop.entropy_BxN, jnp.where(live_B, entropy_B, zero)[:, None], (0, loop.step)),
+        done_B=loop.done_B | (live_B & stops(tokens_B, eos_E)),
+        lengths_B=jnp.where(live_B, loop.step + 1, loop.lengths_B),
+        last_B=tokens_B,
+        positions_B=loop.positions_B + 1)
+
+  def _prefill(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
+               num_samples: int, gen_len: int, choose: Callable) -> tuple[_Loop, jax.Array]:
+    """Prefills each prompt once into a cache with room for the first decode segment, gives
+    each of its G rows a copy (every cache leaf but the scalar index has batch first) and
+    draws the first token. Returns (loop state, the rows' request keys [B])."""
     cfg, g, k = self.config, num_samples, self.config.stop_check_every
     p, tp = ids_PxTp.shape
     b, n = p * g, round_up(gen_len, k)  # blocks of k steps end on the last segment's end
     cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
-
-    # Prefill each prompt once into a cache with room for the first segment, then give
-    # each of its G rows a copy (every cache leaf but the scalar index has batch first).
     ends = segment_ends(n, cfg.decode_segments, k)
     positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
-    rope_SxHd = rope_table(model.cfg, tp + n)  # positions stay below Tp + N
     hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
                                  init_cache(model.cfg, p, tp + ends[0], cache_dtype),
-                                 rope_table=rope_SxHd)
+                                 rope_table=rope_table(model.cfg, tp + n))
     logits_BxV = jnp.repeat(logits_of(hidden_PxTpxD[:, -1]), g, axis=0)
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
-    cache = self._constrain_cache(cache)
     keys_B = request_keys(key, p, g)
-
-    def emit(loop: _Loop, tokens_B, logp_B, entropy_B) -> _Loop:
-      live_B = ~loop.done_B & (loop.step < caps_B)  # a block may run past the cap: masked
-      tokens_B = jnp.where(live_B, tokens_B, self.pad_id)
-      zero = jnp.float32(0)
-      return loop.replace(
-          step=loop.step + 1,
-          tokens_BxN=lax.dynamic_update_slice(loop.tokens_BxN, tokens_B[:, None], (0, loop.step)),
-          logp_BxN=lax.dynamic_update_slice(
-              loop.logp_BxN, jnp.where(live_B, logp_B, zero)[:, None], (0, loop.step)),
-          entropy_BxN=lax.dynamic_update_slice(
-              loop.entropy_BxN, jnp.where(live_B, entropy_B, zero)[:, None], (0, loop.step)),
-          done_B=loop.done_B | (live_B & stops(tokens_B, eos_E)),
-          lengths_B=jnp.where(live_B, loop.step + 1, loop.lengths_B),
-          last_B=tokens_B,
-          positions_B=loop.positions_B + 1)
-
     prompt_len_B = jnp.repeat(jnp.sum(mask_PxTp, axis=-1, dtype=jnp.int32), g)
     loop = _Loop(
         step=jnp.zeros((), jnp.int32),
@@ -364,25 +401,48 @@ class Sampler:
         lengths_B=jnp.zeros((b,), jnp.int32),
         last_B=jnp.zeros((b,), jnp.int32),
         positions_B=prompt_len_B - 1,
-        cache=cache)
-    loop = emit(loop, *choose(token_keys(keys_B, 0), logits_BxV))
+        cache=self._constrain_cache(cache))
+    return self._emit(loop, *choose(token_keys(keys_B, 0), logits_BxV), caps_B, eos_E), keys_B
 
+  def _step(self, model: Qwen2, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
+            choose: Callable) -> _Loop:
+    """One decode step of every row: the model over its last token with the cache, then the
+    next token (row b's key `fold_in(keys_B[b], step)`). `rope_SxHd`: the `rope_table` of the
+    Tp + N positions, computed once outside the decode loop."""
+    b = loop.last_B.shape[0]
+    hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
+                                jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd)
+    loop = loop.replace(cache=self._constrain_cache(cache))
+    return self._emit(loop, *choose(token_keys(keys_B, loop.step), logits_of(hidden_Bx1xD[:, 0])),
+                      caps_B, eos_E)
+
+  def _block(self, model: Qwen2, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
+             choose: Callable) -> _Loop:
+    """One block of `stop_check_every` decode steps (`decode.block`), the decode loop's body."""
+    step = functools.partial(self._step, model, logits_of, keys_B=keys_B, caps_B=caps_B, eos_E=eos_E,
+                             rope_SxHd=rope_SxHd, choose=choose)
+    return block(step, self.config.stop_check_every, loop)
+
+  def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
+              num_samples: int, gen_len: int, choose: Callable) -> SampleOutput:
+    cfg, g, k = self.config, num_samples, self.config.stop_check_every
+    p, tp = ids_PxTp.shape
+    b, n = p * g, round_up(gen_len, k)
+    cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
+    loop, keys_B = self._prefill(model, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E,
+                                 num_samples=g, gen_len=gen_len, choose=choose)
+    step = functools.partial(self._step, model, logits_of, keys_B=keys_B, caps_B=caps_B, eos_E=eos_E,
+                             rope_SxHd=rope_table(model.cfg, tp + n), choose=choose)
     max_new = jnp.max(caps_B)
 
     def cond(end: int, loop: _Loop):
       return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B | (loop.step >= caps_B))
 
-    def step(loop: _Loop):
-      hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
-                                  jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd)
-      loop = loop.replace(cache=self._constrain_cache(cache))
-      return emit(loop, *choose(token_keys(keys_B, loop.step), logits_of(hidden_Bx1xD[:, 0])))
-
     # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a
     # larger one (the same layout, more slots), so attention never reads more than it needs.
     # The segments end on multiples of k, and a block starts at a step = 1 (mod k) below its
     # segment's end, so its last step still writes a slot of the segment's cache.
-    for j, end in enumerate(ends):
+    for j, end in enumerate(segment_ends(n, cfg.decode_segments, k)):
       if j:
         larger = init_cache(model.cfg, b, tp + end, cache_dtype)
         cache = jax.tree.map(

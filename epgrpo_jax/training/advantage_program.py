@@ -66,11 +66,16 @@ class AdvantageProgram:
 
   def __call__(self, rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT, *,
                cfg: advantages.AdvantageConfig):
-    groups = sharding.leading_sharding(self.mesh, np.shape(rewards_PxG))
+    groups, program = self.program(np.shape(rewards_PxG), cfg)
+    args = (rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT)
+    return program(*(distributed.put(x, groups) for x in args))
+
+  def program(self, shape_PxG: tuple[int, ...], cfg: advantages.AdvantageConfig):
+    """(the groups' sharding, the jitted program) for P groups (`shape_PxG`) and `cfg`."""
+    groups = sharding.leading_sharding(self.mesh, shape_PxG)
     program = self._programs.get((groups, cfg))
     if program is None:
       program = jax.jit(functools.partial(advantage_step, cfg=cfg), in_shardings=(groups,) * 5,
                         out_shardings=(groups, groups, sharding.replicated(self.mesh)))
       self._programs[(groups, cfg)] = program
-    args = (rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT)
-    return program(*(distributed.put(x, groups) for x in args))
+    return groups, program

@@ -21,6 +21,7 @@ from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.core import optim
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import place
+from epgrpo_jax.parallel.platform import mesh_backend, mesh_platform, program_platform
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import Qwen2, activation_constraint, one_device_program, rope_table
 from epgrpo_jax.training.advantage_program import advantage_step
@@ -63,7 +64,9 @@ class Policy:
   def from_model(cls, model: Qwen2, full_finetune: bool) -> "Policy":
     if full_finetune:
       graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
-      reference = jax.tree.map(jnp.copy, trainable)
+      # Abstract weights (a compile check's ShapeDtypeStructs) stand for their copy as they are.
+      copy = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jnp.copy(x)
+      reference = jax.tree.map(copy, trainable)
     else:
       if model.lora is None:
         raise UserError("lora: the model has no adapters; set model.full_finetune=true or "
@@ -380,12 +383,14 @@ class StepShardings:
 
 def _constrained(fn, mesh: jax.sharding.Mesh):
   """`fn` traced with the model's hidden states kept batch-sharded over data x fsdp, and
-  knowing whether it runs on one device (`one_device_program`)."""
+  knowing whether it runs on one device (`one_device_program`) and on which platform
+  (`program_platform`: the mesh's devices, which a compile check names apart from this host's)."""
   constrain = sharding.activation_constraints(mesh)
 
   @functools.wraps(fn)
   def wrapped(*args):
-    with activation_constraint(constrain), one_device_program(mesh.size == 1):
+    with (activation_constraint(constrain), one_device_program(mesh.size == 1),
+          program_platform(mesh_platform(mesh))):
       return fn(*args)
   return wrapped
 
@@ -423,7 +428,8 @@ class StepFunctions:
                loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
                shardings: StepShardings | None = None, remat: bool = False,
                adv_cfg: advantages.AdvantageConfig | None = None):
-    cpu_memory = cpu_remat_options() if remat and jax.default_backend() == "cpu" else None
+    on_cpu = mesh_backend(shardings.mesh if shardings else None) == "cpu"
+    cpu_memory = cpu_remat_options() if remat and on_cpu else None
     score_fn = functools.partial(score, graphdef, temperature=temperature)
     reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature)
     self._grads_fn = functools.partial(accumulated_gradients, graphdef, loss_cfg=loss_cfg,

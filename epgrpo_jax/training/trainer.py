@@ -133,7 +133,7 @@ class Trainer:
     lora = None if cfg.model.full_finetune else cfg.lora
     model = from_pretrained(model_dir, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
                             lora=lora, mesh=self.mesh, seed=t.seed)
-    model = _with_runtime_options(model, cfg.model)
+    model = with_runtime_options(model, cfg.model)
     self.model_cfg = model.cfg
     self.policy = Policy.from_model(model, cfg.model.full_finetune)
     self.model_dir = model_dir
@@ -143,17 +143,7 @@ class Trainer:
     self.tx, self.schedule = programs.make_optimizer(
         o.learning_rate, total_updates, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
         max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
-    on_policy = t.num_iterations == 1 and t.mini_batches == 1
-    # One program per on-policy update: the scoring pass is the update's own forward.
-    self.fused = (t.fused_update and on_policy and t.grad_accumulation == 1
-                  and not t.reuse_sampler_logprobs)
-    if self.fused and t.packing and self.mesh.shape["fsdp"] > 1 and self.mesh.shape["tensor"] > 1:
-      # The packed fused program deadlocked in its collectives on XLA:CPU on such meshes
-      # (docs/distributed.md, "Packing on a mesh"); the separate programs give the same update.
-      log.warning("train.fused_update: separate programs, not one, with train.packing on a mesh "
-                  "with fsdp %d and tensor %d > 1", self.mesh.shape["fsdp"],
-                  self.mesh.shape["tensor"])
-      self.fused = False
+    on_policy, self.fused = update_plan(t, self.mesh, warn=True)
     self.shardings = StepShardings.create(self.policy, self.tx, self.mesh)
     self.policy = self.shardings.place_policy(self.policy)
     self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
@@ -539,7 +529,25 @@ def answer_parses(answer: str) -> bool:
     return False
 
 
-def _with_runtime_options(model, section):
+def update_plan(t, mesh: jax.sharding.Mesh, *, warn: bool = False) -> tuple[bool, bool]:
+  """(on_policy, fused) for the `train` section `t` on `mesh`: whether every update is the
+  first and only one on its rollout, and whether scoring, advantage and update run as the one
+  fused program (`programs.fused_update`) or as separate programs."""
+  on_policy = t.num_iterations == 1 and t.mini_batches == 1
+  # One program per on-policy update: the scoring pass is the update's own forward.
+  fused = (t.fused_update and on_policy and t.grad_accumulation == 1
+           and not t.reuse_sampler_logprobs)
+  if fused and t.packing and mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
+    # The packed fused program deadlocked in its collectives on XLA:CPU on such meshes
+    # (docs/distributed.md, "Packing on a mesh"); the separate programs give the same update.
+    if warn:
+      log.warning("train.fused_update: separate programs, not one, with train.packing on a mesh "
+                  "with fsdp %d and tensor %d > 1", mesh.shape["fsdp"], mesh.shape["tensor"])
+    fused = False
+  return on_policy, fused
+
+
+def with_runtime_options(model, section):
   """The model with `model.remat`, `model.attention`, `model.attention_block` and
   `model.attention_segments` applied."""
   model.cfg = model.cfg.replace(remat=model.cfg.remat or section.remat, attention=section.attention,

@@ -1,0 +1,260 @@
+"""The trainer's programs of one RL step, built as the trainer builds them but over abstract
+arguments (`jax.ShapeDtypeStruct`s with their shardings on the mesh): compiled, not run.
+`tools/compile_check.py` compiles them for a TPU slice from any host."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from epgrpo_jax.models import Qwen2, as_dtype, init_cache, rope_table
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.rollout.sampling import Sampler, bucket, round_up, segment_ends
+from epgrpo_jax.training import programs
+from epgrpo_jax.training.advantage_program import AdvantageProgram
+from epgrpo_jax.training.packing import pack_micro_batches
+from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch
+from epgrpo_jax.training.trainer import update_plan, with_runtime_options
+
+
+def abstract(tree, shardings):
+  """`tree`'s leaves (arrays, numpy arrays or shape structs) as `ShapeDtypeStruct`s placed by
+  the matching leaves of `shardings`."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def synthetic_rollout(rows: int, prompt_slots: int, prompt_tokens: int, completion_slots: int,
+                      completion_tokens: int) -> Rollout:
+  """A host rollout of `rows` sequences: `prompt_tokens` real tokens left-padded to
+  `prompt_slots`, `completion_tokens` real tokens right-padded to `completion_slots`."""
+  prompt_mask = np.zeros((rows, prompt_slots), bool)
+  prompt_mask[:, prompt_slots - prompt_tokens:] = True
+  completion_mask = np.zeros((rows, completion_slots), bool)
+  completion_mask[:, :completion_tokens] = True
+  ones = lambda shape: np.ones(shape, np.int32)
+  return Rollout(ones((rows, prompt_slots)), prompt_mask, ones((rows, completion_slots)),
+                 completion_mask)
+
+
+@dataclasses.dataclass
+class StepParts:
+  """The policy split, shardings, step functions, advantage program and sampler of a run
+  (`Trainer.__init__`'s objects), and abstract arguments for each program."""
+
+  cfg: Any  # TrainConfig
+  model_cfg: Any
+  mesh: jax.sharding.Mesh
+  policy: Policy  # abstract states
+  shardings: StepShardings
+  tx: Any  # optax.GradientTransformation
+  fns: StepFunctions
+  sampler: Sampler
+  fused: bool
+  prompt_slots: int
+  prompt_tokens: int
+  completion_tokens: int
+  packing_length: int
+
+  @classmethod
+  def create(cls, cfg, model_cfg, mesh, prompt_tokens: int, completion_tokens: int) -> "StepParts":
+    t = cfg.train
+    rows = t.prompts_per_step * t.num_generations
+    sharding.check_batch(mesh, rows, "train.prompts_per_step x train.num_generations")
+    if t.mini_batches * t.grad_accumulation > 1:
+      sharding.check_batch(mesh, rows // (t.mini_batches * t.grad_accumulation),
+                           "train.prompts_per_step x train.num_generations / "
+                           "(train.mini_batches x train.grad_accumulation)")
+    lora = None if cfg.model.full_finetune else cfg.lora
+    model = nnx.eval_shape(lambda: Qwen2(model_cfg, lora=lora, rngs=nnx.Rngs(t.seed)))
+    model = with_runtime_options(model, cfg.model)
+    policy = Policy.from_model(model, cfg.model.full_finetune)
+    tx, _ = programs.make_optimizer(
+        cfg.optim.learning_rate, t.steps * t.num_iterations * t.mini_batches,
+        warmup_ratio=cfg.optim.warmup_ratio, weight_decay=cfg.optim.weight_decay,
+        max_grad_norm=cfg.optim.max_grad_norm, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps)
+    on_policy, fused = update_plan(t, mesh)
+    shardings = StepShardings.create(policy, tx, mesh, packed=t.packing)
+    of = lambda state, where: None if state is None else abstract(state, where)
+    policy = dataclasses.replace(policy, trainable=of(policy.trainable, shardings.trainable),
+                                 frozen=of(policy.frozen, shardings.frozen),
+                                 reference=of(policy.reference, shardings.reference))
+    fns = StepFunctions(policy.graphdef, tx, loss_cfg=cfg.loss,
+                        temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
+                        shardings=shardings, remat=cfg.model.remat,
+                        adv_cfg=cfg.advantage if fused else None)
+    sampler = Sampler(cfg.sampling, eos_ids=model_cfg.eos_ids or (0,), pad_id=0, mesh=mesh)
+    prompt_slots = bucket(prompt_tokens, cfg.sampling.prompt_buckets)
+    packing_length = t.packing_length or prompt_tokens + cfg.sampling.max_new_tokens
+    return cls(cfg, model_cfg, mesh, policy, shardings, tx, fns, sampler, fused, prompt_slots,
+               prompt_tokens, completion_tokens, packing_length)
+
+  # -- abstract arguments ------------------------------------------------------------------
+
+  @property
+  def trainable(self):
+    return self.policy.trainable
+
+  @property
+  def frozen(self):
+    return self.policy.frozen
+
+  @functools.cached_property
+  def opt_state(self):
+    return abstract(jax.eval_shape(self.tx.init, self.trainable), self.shardings.opt_state)
+
+  def rollout(self, rows: int, micro_batches: int = 1) -> Rollout:
+    """The abstract rollout of `rows` sequences as the trainer hands it to the programs: the
+    completions cut to their length bucket, packed (per micro-batch) under train.packing."""
+    t, s = self.cfg.train, self.cfg.sampling
+    n = min(bucket(self.completion_tokens, s.length_buckets), bucket(s.max_new_tokens,
+                                                                     s.length_buckets))
+    host = synthetic_rollout(rows, self.prompt_slots, self.prompt_tokens, n,
+                             self.completion_tokens)
+    if t.packing:
+      shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+      host = host.replace(packing=pack_micro_batches(
+          host.prompt_ids, host.prompt_mask, host.completion, host.completion_mask,
+          micro_batches=micro_batches, row_length=self.packing_length, multiple=shards))
+    return abstract(host, self.shardings.rollout())
+
+  @property
+  def rows(self) -> int:
+    return self.cfg.train.prompts_per_step * self.cfg.train.num_generations
+
+  def floats(self, shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.shardings.rows)
+
+  # -- programs ----------------------------------------------------------------------------
+
+  def score_program(self):
+    r = self.rollout(self.rows)
+    p = self.fns.reference_program if self.cfg.train.reuse_sampler_logprobs else self.fns.score_program
+    return p.lower(self.trainable, self.frozen, self.policy.reference, r).compile()
+
+  def advantage_program(self):
+    t = self.cfg.train
+    shape = (t.prompts_per_step, t.num_generations)
+    groups, program = AdvantageProgram(self.mesh).program(shape, self.cfg.advantage)
+    n = self.rollout(self.rows).completion.shape[1]
+    x = jax.ShapeDtypeStruct((*shape, n), jnp.float32, sharding=groups)
+    args = (jax.ShapeDtypeStruct(shape, jnp.float32, sharding=groups), x, x, x,
+            jax.ShapeDtypeStruct((*shape, n), jnp.bool_, sharding=groups))
+    return program.lower(*args).compile()
+
+  def update_programs(self) -> Iterator[tuple[str, Callable]]:
+    """("name", compile) of the separate update's programs for one mini-batch: one program, or
+    the gradient program (k micro-batches) and the optimizer step."""
+    t = self.cfg.train
+    k = t.grad_accumulation
+    rollout = self.rollout(self.rows // t.mini_batches, micro_batches=k)
+    n = rollout.completion.shape
+    batch = UpdateBatch(rollout, self.floats(n), self.floats(n), self.floats(n))
+    fns = self.fns
+    if k == 1 and not fns.split_update:
+      yield "(one program)", lambda: fns.update_program.lower(
+          self.trainable, self.opt_state, self.frozen, batch).compile()
+      return
+    program = fns.gradients_program(k)
+    yield f"gradients (k={k})", lambda: program.lower(self.trainable, self.frozen, batch).compile()
+    yield "optimizer step", lambda: self._apply(program.lower(self.trainable, self.frozen, batch))
+
+  def fused_programs(self) -> Iterator[tuple[str, Callable]]:
+    """("name", compile) of the fused update: one program, or with remat its gradient program
+    and the optimizer step."""
+    t = self.cfg.train
+    r = self.rollout(self.rows)
+    rewards = jax.ShapeDtypeStruct((t.prompts_per_step, t.num_generations), jnp.float32,
+                                   sharding=self.shardings.replicated)
+    args = (self.frozen, self.policy.reference, r, rewards)
+    fns = self.fns
+    if not fns.split_update:
+      yield "fused", lambda: fns.fused_program.lower(self.trainable, self.opt_state,
+                                                      *args).compile()
+      return
+    yield "fused gradients", lambda: fns.fused_gradients_program.lower(
+        self.trainable, *args).compile()
+    yield "optimizer step", lambda: self._apply(
+        fns.fused_gradients_program.lower(self.trainable, *args))
+
+  def _apply(self, lowered_gradients):
+    """The optimizer step compiled for the outputs of a lowered gradient program."""
+    loss, aux, grads = jax.tree.map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+        lowered_gradients.out_info)[:3]
+    return self.fns.apply_program.lower(self.trainable, self.opt_state, loss, aux,
+                                        grads).compile()
+
+  # -- the sampler -------------------------------------------------------------------------
+
+  @property
+  def gen_len(self) -> int:
+    return bucket(self.cfg.sampling.max_new_tokens, self.cfg.sampling.length_buckets)
+
+  @functools.cached_property
+  def sampler_state(self):
+    return nnx.merge_state(self.frozen, self.trainable)
+
+  def _sampler_args(self, part: str):
+    t = self.cfg.train
+    p = t.prompts_per_step
+    where = self.sampler.prompt_sharding((p, self.prompt_slots))
+    rep = sharding.replicated(self.mesh)
+    ids = jax.ShapeDtypeStruct((p, self.prompt_slots), jnp.int32, sharding=where)
+    mask = jax.ShapeDtypeStruct((p, self.prompt_slots), jnp.bool_, sharding=where)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    eos = jax.ShapeDtypeStruct((len(self.sampler.eos_ids) or 1,), jnp.int32, sharding=rep)
+    caps = jax.ShapeDtypeStruct((p * t.num_generations,), jnp.int32, sharding=rep)
+    return (self.sampler_state, ids, mask, key, caps, eos)
+
+  def sampler_program(self, part: str):
+    """The sampler's whole program ("sample") or its prefill ("prefill"), compiled."""
+    return self.sampler.compile(self.policy.graphdef, self._sampler_args(part),
+                                num_samples=self.cfg.train.num_generations, gen_len=self.gen_len,
+                                prompt_len=self.prompt_slots, part=part)
+
+  @property
+  def block_steps(self) -> int:
+    """Decode steps per block (`sampling.stop_check_every`): the decode loop's body."""
+    return self.cfg.sampling.stop_check_every
+
+  def decode_segments(self) -> list[tuple[int, int]]:
+    """(cache slots, decode blocks run) of each decode segment, for completions of
+    `completion_tokens` (every row runs to the longest): the sampler's loop runs whole blocks
+    of `block_steps` steps while the step is below the segment's end and the longest cap."""
+    k = self.block_steps
+    out, step = [], 1  # the prefill draws the first token
+    for end in segment_ends(round_up(self.gen_len, k), self.cfg.sampling.decode_segments, k):
+      blocks = max(0, -(-(min(end, self.completion_tokens) - step) // k))
+      out.append((self.prompt_slots + end, blocks))
+      step += blocks * k
+    return out
+
+  @functools.cached_property
+  def _prefill_loop(self):
+    return self.sampler_program("prefill").out_info
+
+  def decode_block_program(self, slots: int):
+    """One block of `block_steps` decode steps over a cache of `slots` slots, compiled."""
+    rep = sharding.replicated(self.mesh)
+    loop, keys = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                              self._prefill_loop)
+    b = loop.last_B.shape[0]
+    s = self.cfg.sampling
+    cache_dtype = as_dtype(s.cache_dtype) if s.cache_dtype else None
+    cache = jax.eval_shape(lambda: init_cache(self.model_cfg, b, slots, cache_dtype))
+    loop = loop.replace(cache=abstract(cache, sharding.cache_shardings(cache, self.mesh)))
+    n = round_up(self.gen_len, self.block_steps)
+    rope = jax.eval_shape(lambda: rope_table(self.model_cfg, self.prompt_slots + n))
+    *_, caps, eos = self._sampler_args("prefill")
+    args = (self.sampler_state, loop, keys, caps, eos, abstract(rope, (rep, rep)))
+    return self.sampler.compile(self.policy.graphdef, args,
+                                num_samples=self.cfg.train.num_generations, gen_len=self.gen_len,
+                                prompt_len=self.prompt_slots, part="block")

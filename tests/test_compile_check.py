@@ -1,0 +1,142 @@
+"""TPU programs compiled ahead of time on this CPU host (`tools/compile_check.py`): every program
+of a tiny config's RL step compiles for a TPU slice with the real TPU compiler (libtpu, the
+`tpu` extra), with no CPU-only or GPU-only custom call in it; per-backend choices follow the
+mesh's devices, not the host's backend; the command's errors are one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from epgrpo_jax.io.commandline import run_main
+from epgrpo_jax.models import _attention
+from epgrpo_jax.models._lora import folds_adapters, runs_cpu_kernels
+from epgrpo_jax.parallel import tpu_env
+from epgrpo_jax.parallel.platform import backend, program_platform
+from epgrpo_jax.tools import compile_check, tpu_costs
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_libtpu = pytest.mark.skipif(
+    not tpu_costs.libtpu_installed(),
+    reason="libtpu is not installed (pip install -e \".[tpu]\"): no TPU ahead-of-time compiles")
+TINY = ["--model", "test-tiny", "--prompt-tokens", "8", "train.prompts_per_step=4",
+        "train.num_generations=4", "sampling.max_new_tokens=16", "sampling.top_p=0.9"]
+
+
+def test_choices_follow_the_traced_programs_platform():
+  with program_platform("tpu"):
+    assert backend() == "tpu"
+    assert _attention.resolve("auto", jnp.float32) == "blockwise"
+    assert _attention.resolve("auto", jnp.bfloat16) == "blockwise"
+    assert not runs_cpu_kernels()
+    assert not folds_adapters(jnp.float32, 10_000, 64, 64)
+  with program_platform("gpu"):
+    assert _attention.resolve("auto", jnp.bfloat16) == "cudnn"
+  with program_platform(None):
+    assert backend() == "cpu"  # the suite's backend
+
+
+def test_libtpu_is_quieted_only_where_no_tpu_is_attached(monkeypatch):
+  monkeypatch.setattr(tpu_env, "tpu_attached", lambda: False)
+  env = {}
+  assert tpu_env.quiet_absent_tpu(env) and env == tpu_env.PLACEHOLDER
+  env = {"TPU_WORKER_HOSTNAMES": "10.0.0.2"}
+  assert not tpu_env.quiet_absent_tpu(env) and env == {"TPU_WORKER_HOSTNAMES": "10.0.0.2"}
+  monkeypatch.setattr(tpu_env, "tpu_attached", lambda: True)
+  env = {}
+  assert not tpu_env.quiet_absent_tpu(env) and env == {}
+
+
+def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
+  monkeypatch.setattr(tpu_costs, "libtpu_installed", lambda: False)
+  args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY])
+  assert run_main(lambda: compile_check.run(args)) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "libtpu is not installed" in err and "[tpu]" in err
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="")
+  return subprocess.run([sys.executable, "-m", "epgrpo_jax.tools.compile_check", *argv],
+                        capture_output=True, text=True, env=env, timeout=600)
+
+
+@needs_libtpu
+def test_a_plain_cpu_run_stays_silent_with_libtpu_installed():
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("JAX_PLATFORMS", None)
+  for k in tpu_env.PLACEHOLDER:
+    env.pop(k, None)
+  done = subprocess.run([sys.executable, "-c", "import epgrpo_jax, jax; print(jax.default_backend())"],
+                        capture_output=True, text=True, env=env, timeout=120)
+  assert (done.returncode, done.stdout, done.stderr) == (0, "cpu\n", "")
+
+
+@needs_libtpu
+@pytest.mark.parametrize("argv, message", [
+    (["--topology", "v5e:3x3"], "--topology: 'v5e:3x3'"),
+    (["--topology", "nonsense"], "--topology: 'nonsense'"),
+    (["--topology", "v5e:2x2", "mesh.data=3"], "mesh: data*fsdp*tensor = 3 but there are 4"),
+])
+def test_bad_topology_or_mesh_is_one_line_exit_2(argv, message):
+  done = _cli(*argv, *TINY)
+  assert done.returncode == 2, done.stderr
+  assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+def _programs(check: compile_check.CompileCheck) -> dict:
+  """Each program's measurements (`tpu_costs.measure` notes foreign custom calls), by name."""
+  return {name: build() for name, build in check.programs()}
+
+
+@pytest.fixture
+def no_compilation_cache():
+  """The persistent cache off while compiling for TPU devices this host lacks (their programs
+  cannot be loaded back from it)."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  yield
+  jax.config.update("jax_enable_compilation_cache", before)
+
+
+@needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
+@pytest.mark.parametrize("mesh_devices, overrides", [
+    (4, ["train.packing=true"]),  # fused update, packed, data over 4 chips
+    (1, ["train.fused_update=false", "train.grad_accumulation=2", "model.remat=true",
+         "model.dtype=bfloat16"]),  # one chip: where the CPU kernels would be chosen on a CPU
+])
+def test_tiny_step_compiles_for_v5e_2x2_without_foreign_custom_calls(mesh_devices, overrides):
+  devices = tpu_costs.topology_devices("v5e:2x2")[:mesh_devices]
+  args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY, *overrides])
+  check = compile_check.CompileCheck.create(args, devices)
+  measured = _programs(check)
+  expected = {"sampler (whole)", "prefill", "decode block 0", "decode block 1"}
+  expected |= ({"update fused"} if mesh_devices == 4 else
+               {"score", "advantage", "update gradients (k=2)", "update optimizer step"})
+  assert set(measured) == expected
+  for name, m in measured.items():
+    assert "FOREIGN" not in m.note, (name, m.note)
+    assert m.argument > 0 and m.total <= m.chip.hbm_bytes and m.seconds > 0, (name, m)
+  # 16 new tokens, segments ending at 8 and 16, blocks of 8: the prefill draws token 0, one
+  # block per segment (steps 1-8, then 9-16 with the last masked at the cap).
+  assert measured["prefill"].flops > 0
+  assert measured["decode block 0"].runs == 1 and measured["decode block 1"].runs == 1
+  summary = check.summary(list(measured.values()))
+  assert "estimated step" in summary and "/ 8 steps" in summary and "a token" in summary
+
+
+@needs_libtpu
+def test_two_host_slice_compiles_from_the_command_line():
+  done = _cli("--topology", "v5e:2x4", *TINY, "mesh.data=2", "mesh.fsdp=4", "train.packing=true",
+              "--skip", "sampler")
+  assert done.returncode == 0, done.stderr
+  assert "v5e x 8 (2 hosts)" in done.stdout and "'fsdp': 4" in done.stdout
+  assert "update fused" in done.stdout and "FOREIGN" not in done.stdout
+  assert "estimated step:" in done.stdout and "fits" in done.stdout
