@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from epgrpo_jax.io.commandline import run_main
+from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import _attention
 from epgrpo_jax.models._lora import folds_adapters, runs_cpu_kernels
 from epgrpo_jax.parallel import tpu_env
@@ -36,6 +37,9 @@ def test_choices_follow_the_traced_programs_platform():
     assert _attention.resolve("auto", jnp.bfloat16) == "blockwise"
     assert not runs_cpu_kernels()
     assert not folds_adapters(jnp.float32, 10_000, 64, 64)
+    with pytest.raises(UserError, match="model.attention: cudnn runs on GPUs only; this program "
+                                         "runs on tpu"):
+      _attention.resolve("cudnn", jnp.bfloat16)
   with program_platform("gpu"):
     assert _attention.resolve("auto", jnp.bfloat16) == "cudnn"
   with program_platform(None):

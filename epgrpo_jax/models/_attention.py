@@ -57,9 +57,12 @@ def resolve(name: str, dtype, backend: str | None = None) -> str:
   """
   if name not in IMPLEMENTATIONS:
     raise UserError(f"model.attention: unknown {name!r}; use one of {list(IMPLEMENTATIONS)}")
+  backend = backend or program_backend()
+  if name == "cudnn" and backend not in ("gpu", "cuda", "rocm"):
+    raise UserError(f"model.attention: cudnn runs on GPUs only; this program runs on {backend} "
+                     f"(use auto)")
   if name != "auto":
     return name
-  backend = backend or program_backend()
   if backend == "cpu":
     return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu_kernels.available() else "plain"
   if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
