@@ -20,7 +20,7 @@ from epgrpo_jax.training import programs
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.packing import pack_micro_batches
 from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch
-from epgrpo_jax.training.trainer import update_plan, with_runtime_options
+from epgrpo_jax.training.trainer import check_rows, update_plan, with_runtime_options
 
 
 def abstract(tree, shardings):
@@ -65,12 +65,7 @@ class StepParts:
   @classmethod
   def create(cls, cfg, model_cfg, mesh, prompt_tokens: int, completion_tokens: int) -> "StepParts":
     t = cfg.train
-    rows = t.prompts_per_step * t.num_generations
-    sharding.check_batch(mesh, rows, "train.prompts_per_step x train.num_generations")
-    if t.mini_batches * t.grad_accumulation > 1:
-      sharding.check_batch(mesh, rows // (t.mini_batches * t.grad_accumulation),
-                           "train.prompts_per_step x train.num_generations / "
-                           "(train.mini_batches x train.grad_accumulation)")
+    check_rows(t, mesh)
     lora = None if cfg.model.full_finetune else cfg.lora
     model = nnx.eval_shape(lambda: Qwen2(model_cfg, lora=lora, rngs=nnx.Rngs(t.seed)))
     model = with_runtime_options(model, cfg.model)

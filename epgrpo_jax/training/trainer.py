@@ -85,12 +85,7 @@ class Trainer:
 
     # Everything that can be wrong with the input is checked before any weights load.
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)  # raises if sizes mismatch
-    rows = t.prompts_per_step * t.num_generations
-    sharding.check_batch(self.mesh, rows, "train.prompts_per_step x train.num_generations")
-    if t.mini_batches * t.grad_accumulation > 1:
-      sharding.check_batch(self.mesh, rows // (t.mini_batches * t.grad_accumulation),
-                           "train.prompts_per_step x train.num_generations / "
-                           "(train.mini_batches x train.grad_accumulation)")
+    check_rows(t, self.mesh)
     check_writable(self.out_dir)
     check_output_paths(self.out_dir, "train.output_dir", dirs=RUN_DIRS, files=RUN_FILES)
     if t.prompts_per_step % jax.process_count():
@@ -527,6 +522,17 @@ def answer_parses(answer: str) -> bool:
     return True
   except ValueError:
     return False
+
+
+def check_rows(t, mesh: jax.sharding.Mesh) -> None:
+  """Raises a config error unless the mesh's batch shards divide a step's sequences and each
+  update's micro-batches (`train` section `t`)."""
+  rows = t.prompts_per_step * t.num_generations
+  sharding.check_batch(mesh, rows, "train.prompts_per_step x train.num_generations")
+  if t.mini_batches * t.grad_accumulation > 1:
+    sharding.check_batch(mesh, rows // (t.mini_batches * t.grad_accumulation),
+                         "train.prompts_per_step x train.num_generations / "
+                         "(train.mini_batches x train.grad_accumulation)")
 
 
 def update_plan(t, mesh: jax.sharding.Mesh, *, warn: bool = False) -> tuple[bool, bool]:
