@@ -57,12 +57,40 @@ def test_libtpu_is_quieted_only_where_no_tpu_is_attached(monkeypatch):
   assert not tpu_env.quiet_absent_tpu(env) and env == {}
 
 
+@pytest.mark.usefixtures("no_compilation_cache")  # `run` turns the cache off
 def test_missing_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys):
   monkeypatch.setattr(tpu_costs, "libtpu_installed", lambda: False)
   args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY])
   assert run_main(lambda: compile_check.run(args)) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "libtpu is not installed" in err and "[tpu]" in err
+
+
+@pytest.mark.usefixtures("no_compilation_cache")  # `run` turns the cache off
+def test_a_program_over_hbm_is_reported_and_exits_1(monkeypatch, capsys):
+  class Check:  # what `run` reads of a CompileCheck
+    def describe(self):
+      return "slice"
+
+    def programs(self):
+      def over():
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the "
+                                         "total memory required for HLO temporaries (20.94G)\n"
+                                         "exceeds available HBM (15.75G).")
+      yield "update fused", over
+
+    def summary(self, measured):
+      assert measured == []
+      return "summary"
+
+  monkeypatch.setattr(tpu_costs, "topology_devices", lambda *a: [])
+  monkeypatch.setattr(compile_check.CompileCheck, "create", classmethod(lambda cls, *a: Check()))
+  args = compile_check.parse_args(["--topology", "v5e:2x4", *TINY])
+  assert compile_check.run(args) == 1
+  out = capsys.readouterr().out
+  assert "update fused                 DOES NOT FIT: Ran out of memory on HBM, the total memory " \
+         "required for HLO temporaries (20.94G) exceeds available HBM (15.75G)." in out
+  assert out.endswith("summary\nDOES NOT FIT: update fused (the compiler ran out of HBM)\n")
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:

@@ -60,16 +60,25 @@ def run(args: argparse.Namespace) -> int:
   print(check.describe())
   print(tpu_costs.HEADER)
   skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-  measured = []
+  measured, too_big = [], []
   for name, build in check.programs():
     if name.split()[0] in skip:
       continue
     start = time.perf_counter()
-    m = build()
+    try:
+      m = build()
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program over HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      print(f"{name:<28} DOES NOT FIT: {tpu_costs.one_line(e)}", flush=True)
+      too_big.append(name)
+      continue
     measured.append(m)
     print(tpu_costs.row(m), f"[{time.perf_counter() - start:.0f}s]", flush=True)
   print(check.summary(measured))
-  return 0
+  if too_big:
+    print(f"DOES NOT FIT: {', '.join(too_big)} (the compiler ran out of HBM)")
+  return 1 if too_big else 0
 
 
 @dataclasses.dataclass

@@ -175,6 +175,11 @@ def per_device_bytes(tree) -> int:
   return total
 
 
+def one_line(e: BaseException) -> str:
+  """A compiler error's message on one line, without its status prefix."""
+  return " ".join(str(e).split()).removeprefix("RESOURCE_EXHAUSTED: ")[:300]
+
+
 def gib(n: float) -> str:
   return f"{n / GiB:.2f}"
 
