@@ -25,22 +25,25 @@ from epgrpo_jax.training.trainer import check_rows, update_plan, with_runtime_op
 
 def abstract(tree, shardings):
   """`tree`'s leaves (arrays, numpy arrays or shape structs) as `ShapeDtypeStruct`s placed by
-  the matching leaves of `shardings`."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
-                      tree, shardings)
+  the matching leaves of `shardings`, or all by one sharding."""
+  leaf = lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s)
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: leaf(x, shardings), tree)
+  return jax.tree.map(leaf, tree, shardings)
 
 
 def synthetic_rollout(rows: int, prompt_slots: int, prompt_tokens: int, completion_slots: int,
                       completion_tokens: int) -> Rollout:
   """A host rollout of `rows` sequences: `prompt_tokens` real tokens left-padded to
-  `prompt_slots`, `completion_tokens` real tokens right-padded to `completion_slots`."""
+  `prompt_slots`, `completion_tokens` real tokens right-padded to `completion_slots`, with the
+  sampler's log-probs (the trainer always hands them on)."""
   prompt_mask = np.zeros((rows, prompt_slots), bool)
   prompt_mask[:, prompt_slots - prompt_tokens:] = True
   completion_mask = np.zeros((rows, completion_slots), bool)
   completion_mask[:, :completion_tokens] = True
   ones = lambda shape: np.ones(shape, np.int32)
   return Rollout(ones((rows, prompt_slots)), prompt_mask, ones((rows, completion_slots)),
-                 completion_mask)
+                 completion_mask, behaviour_logp=np.zeros((rows, completion_slots), np.float32))
 
 
 @dataclasses.dataclass
@@ -75,7 +78,7 @@ class StepParts:
         warmup_ratio=cfg.optim.warmup_ratio, weight_decay=cfg.optim.weight_decay,
         max_grad_norm=cfg.optim.max_grad_norm, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps)
     on_policy, fused = update_plan(t, mesh)
-    shardings = StepShardings.create(policy, tx, mesh, packed=t.packing)
+    shardings = StepShardings.create(policy, tx, mesh)
     of = lambda state, where: None if state is None else abstract(state, where)
     policy = dataclasses.replace(policy, trainable=of(policy.trainable, shardings.trainable),
                                  frozen=of(policy.frozen, shardings.frozen),
