@@ -49,7 +49,7 @@ def _rows(seed, b, s, packed):
   return jnp.asarray(valid), jnp.asarray(segments)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=max(1, settings.default.max_examples // 25), deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([2, 13]), st.booleans())
 def test_runs_mask_is_the_visibility_of_valid_queries(seed, s, packed):
   """What cuDNN applies to the runs equals `visible` at every valid query (padding queries'

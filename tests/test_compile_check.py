@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_libtpu = pytest.mark.skipif(
     not tpu_costs.libtpu_installed(),
     reason="libtpu is not installed (pip install -e \".[tpu]\"): no TPU ahead-of-time compiles")
-TINY = ["--model", "test-tiny", "--prompt-tokens", "8", "train.prompts_per_step=4",
+TINY = ["--preset", "test-tiny", "--prompt-tokens", "8", "train.prompts_per_step=4",
         "train.num_generations=4", "sampling.max_new_tokens=16", "sampling.top_p=0.9"]
 
 

@@ -105,5 +105,9 @@ def test_two_processes_match_one_process_with_four_devices(tmp_path):
   w2 = load_file(tmp_path / "two" / "policy" / "model.safetensors")
   w1 = load_file(tmp_path / "one" / "policy" / "model.safetensors")
   assert w2.keys() == w1.keys()
+  # The exported weights carry three AdamW steps of the two layouts' rounding: with the sampler's
+  # per-request keys (this seed's completions) they part by up to 1.4e-5 in 31 of 8,192 k_proj
+  # entries, while every step's metrics above agree to 1e-5. A gather or sharding error moves
+  # weights by their own size (~1e-2), far beyond 3e-5.
   for name in w1:
-    np.testing.assert_allclose(w2[name], w1[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(w2[name], w1[name], rtol=1e-5, atol=3e-5, err_msg=name)

@@ -8,7 +8,7 @@ micro-batched as configured). For each it prints the per-device memory against t
 HBM, the FLOPs, the bytes accessed, the compiler's estimated time (`optimal_seconds`) and the
 MFU and HBM bandwidth use that implies; then the estimated time of the step.
 
-Shapes: the model from `--model PRESET` or `model.path`'s config.json; P x G rows of
+Shapes: the model from `--preset NAME` or `model.path`'s config.json; P x G rows of
 `--prompt-tokens` prompt tokens and `--completion-tokens` (default: sampling.max_new_tokens,
 every completion at the cap: the worst case a step compiles for) completion tokens.
 """
@@ -22,17 +22,18 @@ import sys
 import time
 
 from epgrpo_jax.io import commandline
+from epgrpo_jax.io.paths import path_flag
 from epgrpo_jax.io.errors import UserError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p = commandline.ArgumentParser(prog="python -m epgrpo_jax.tools.compile_check",
                                  description=__doc__.splitlines()[0])
-  p.add_argument("--config", help="YAML config (as for epgrpo_jax.train)")
+  p.add_argument("--config", type=path_flag, help="YAML config (as for epgrpo_jax.train)")
   p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, "
                  "v5e:4x4")
   p.add_argument("--chips-per-host", help="chips per host as AxB[xC] (libtpu's default 2x2x1)")
-  p.add_argument("--model", help="model preset for the shapes (e.g. qwen2.5-3b) instead of "
+  p.add_argument("--preset", help="model preset for the shapes (e.g. qwen2.5-3b) instead of "
                  "model.path's config.json")
   p.add_argument("--prompt-tokens", type=int, default=256, help="real tokens per prompt (256)")
   p.add_argument("--completion-tokens", type=int, default=0,
@@ -99,12 +100,12 @@ class CompileCheck:
     from epgrpo_jax.parallel.sharding import make_mesh
     from epgrpo_jax.tools import tpu_costs
     from epgrpo_jax.training.config import EMBEDDED, load_config
-    overrides = list(args.overrides) + (["model.path=embedded"] if args.model else [])
-    cfg = load_config(args.config, overrides)  # with --model, model.path is not read
-    if args.model:
-      model_cfg = preset(args.model)
+    overrides = list(args.overrides) + (["model.path=embedded"] if args.preset else [])
+    cfg = load_config(args.config, overrides)  # with --preset, model.path is not read
+    if args.preset:
+      model_cfg = preset(args.preset)
     elif cfg.model.path == EMBEDDED:
-      raise UserError("--model: name a preset (e.g. qwen2.5-3b); the embedded model is built at "
+      raise UserError("--preset: name a preset (e.g. qwen2.5-3b); the embedded model is built at "
                        "run time and has no config.json to read shapes from")
     else:
       model_cfg = load_hf_config(cfg.model.path)
