@@ -781,7 +781,7 @@ class RoundedMatmulTest(chex.TestCase):
 def test_a_cache_slot_is_written_without_widening_the_cache(dtype):
   # XLA:CPU widens a bf16 dynamic-update-slice to float32: the whole cache converted there
   # and back at every decode step. write_slots writes a 16-bit cache through its bits.
-  from epgrpo_jax.models._qwen2 import write_slots
+  from epgrpo_jax.models._decoder import write_slots
   cache = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 8, 16)), dtype)
   new = jnp.full((2, 2, 8, 1), 1.5, jnp.float32)
   write = jax.jit(lambda c, n, i: write_slots(c, n, (0, 0, 0, i)))

@@ -5,7 +5,7 @@ from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraCon
                                       as_dtype, preset)
 from epgrpo_jax.models._lora import (BASE, LORA, Linear, dense_products, lora_layers, matmul, merge_lora,
                                     one_device_program, unmerge_lora)
-from epgrpo_jax.models._qwen2 import (Cache, Qwen2, activation_constraint, attend, decode_kernel,
+from epgrpo_jax.models._decoder import (Cache, Qwen2, activation_constraint, attend, decode_kernel,
                                      init_cache, rope, rope_cos_sin, rope_table)
 from epgrpo_jax.models._hf_io import (HF_TO_NNX, TOKENIZER_FILES, from_pretrained, hf_state_dict,
                                       load_hf_config, save_pretrained)

@@ -1,7 +1,7 @@
 """Attention over keys that are valid per slot and causal per query: plain, blockwise, cuDNN,
 and a C++ kernel on the CPU.
 
-Shape suffixes as in `_qwen2`: B batch, K key/value heads, G query heads per KV head,
+Shape suffixes as in `_decoder`: B batch, K key/value heads, G query heads per KV head,
 T queries, S key slots, Hd head dim, Bk keys per block, nb blocks.
 
 Every path computes softmax(q . keys / sqrt(Hd)) . values where query t (at slot

@@ -26,7 +26,7 @@ from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.parallel import distributed, sharding
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear
-from epgrpo_jax.models._qwen2 import Qwen2
+from epgrpo_jax.models._decoder import Qwen2
 
 # HF name (regex, full match) -> NNX path template; `T`: HF stores [out, in], we store [in, out].
 HF_TO_NNX: tuple[tuple[str, str, bool], ...] = (
