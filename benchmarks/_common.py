@@ -353,7 +353,7 @@ class PhasedStep:
 
     from epgrpo_jax.parallel import distributed
     from epgrpo_jax.rollout.sampling import bucket
-    from epgrpo_jax.training.programs import Rollout, UpdateBatch
+    from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch
     from epgrpo_jax.training.trainer import RunState
 
     tr = self.trainer
@@ -378,7 +378,7 @@ class PhasedStep:
     n = min(bucket(max(int(mask_BxN.sum(1).max()), 1), cfg.sampling.length_buckets),
             tokens_BxN.shape[1])
     tokens_BxN, mask_BxN = tokens_BxN[:, :n], mask_BxN[:, :n]
-    rollout = distributed.place(tr.packed(Rollout(
+    rollout = distributed.place(tr.packed(CompletionBatch(
         prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
         prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
         completion=tokens_BxN, completion_mask=mask_BxN)), tr.shardings.rollout())

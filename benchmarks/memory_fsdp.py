@@ -42,8 +42,8 @@ from flax import nnx  # noqa: E402
 
 from epgrpo_jax.core import losses
 from epgrpo_jax.parallel import sharding
-from epgrpo_jax.training import programs as steps  # noqa: E402
-from epgrpo_jax.training.packing import Packing  # noqa: E402
+from epgrpo_jax.training import batches, objective, programs  # noqa: E402
+from epgrpo_jax.training.packing import PackedRows  # noqa: E402
 from epgrpo_jax.models import LoraConfig, Qwen2, preset  # noqa: E402
 
 import _common as C  # noqa: E402
@@ -53,7 +53,7 @@ GIB = 2 ** 30
 
 def abstract_policy(name: str, *, dtype: str, lora_rank: int, remat: bool,
                     full_finetune: bool, attention: str = "blockwise",
-                    attention_block: int = 512) -> steps.Policy:
+                    attention_block: int = 512) -> programs.Policy:
   """The preset's policy split as shapes only (no weights are made)."""
   cfg = preset(name, dtype=dtype, param_dtype=dtype, remat=remat, attention=attention,
                attention_block=attention_block)
@@ -63,9 +63,9 @@ def abstract_policy(name: str, *, dtype: str, lora_rank: int, remat: bool,
     graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
     reference = trainable
     trainable = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), trainable)
-    return steps.Policy(graphdef, trainable, frozen, reference)
+    return programs.Policy(graphdef, trainable, frozen, reference)
   graphdef, trainable, frozen = nnx.split(model, nnx.LoRAParam, ...)
-  return steps.Policy(graphdef, trainable, frozen, None)
+  return programs.Policy(graphdef, trainable, frozen, None)
 
 
 def with_shardings(tree, shardings):
@@ -76,24 +76,24 @@ def with_shardings(tree, shardings):
                       tree, shardings)
 
 
-def update_memory(policy: steps.Policy, mesh, *, rows: int, prompt_len: int,
+def update_memory(policy: programs.Policy, mesh, *, rows: int, prompt_len: int,
                   completion_len: int, remat: bool, packed_rows: int = 0, row_length: int = 0):
   """`memory_analysis()` of the update's compiled program(s) (`StepFunctions.update_memory`)
   for `rows` sequences on `mesh`: one program, or with remat the gradient and apply programs.
   `packed_rows` > 0: the forward runs over that many packed rows of `row_length` tokens
   (`train.packing`) instead of the padded rows."""
-  tx, _ = steps.make_optimizer(5e-6, 1000, warmup_ratio=0.1, weight_decay=1e-3,
+  tx, _ = objective.make_optimizer(5e-6, 1000, warmup_ratio=0.1, weight_decay=1e-3,
                                max_grad_norm=1.0)
-  s = steps.StepShardings.create(policy, tx, mesh)
-  fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
+  s = programs.StepShardings.create(policy, tx, mesh)
+  fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True, shardings=s, remat=remat)
   row = lambda n, dt: jax.ShapeDtypeStruct((rows, n), dt, sharding=s.rows)
   packing = None
   if packed_rows:
     slots = lambda: jax.ShapeDtypeStruct((packed_rows, row_length), jnp.int32, sharding=s.rows)
-    packing = Packing(slots(), slots(), slots(), slots(), row(completion_len, jnp.int32))
-  batch = steps.UpdateBatch(
-      rollout=steps.Rollout(row(prompt_len, jnp.int32), row(prompt_len, jnp.bool_),
+    packing = PackedRows(slots(), slots(), slots(), slots(), row(completion_len, jnp.int32))
+  batch = batches.UpdateBatch(
+      rollout=batches.CompletionBatch(row(prompt_len, jnp.int32), row(prompt_len, jnp.bool_),
                             row(completion_len, jnp.int32), row(completion_len, jnp.bool_),
                             packing),
       logp_old=row(completion_len, jnp.float32), logp_ref=row(completion_len, jnp.float32),

@@ -94,7 +94,7 @@ def batches(trainer, prompt_lengths, completion_lengths, count: int, seed: int):
   """`count` host rollouts of P x G rows with lengths drawn from the data, bucketed as the
   trainer buckets them, and their rewards [P, G]."""
   from epgrpo_jax.rollout.sampling import bucket
-  from epgrpo_jax.training.programs import Rollout
+  from epgrpo_jax.training.batches import CompletionBatch
 
   cfg, t = trainer.cfg, trainer.cfg.train
   P, G, vocab = t.prompts_per_step, t.num_generations, trainer.model_cfg.vocab_size
@@ -106,7 +106,7 @@ def batches(trainer, prompt_lengths, completion_lengths, count: int, seed: int):
     tp = bucket(int(lp_P.max()), cfg.sampling.prompt_buckets)
     n = min(bucket(int(lc_B.max()), cfg.sampling.length_buckets), cfg.sampling.max_new_tokens)
     prompt_mask_PxTp = np.arange(tp)[None] >= (tp - lp_P)[:, None]
-    rollout = Rollout(
+    rollout = CompletionBatch(
         prompt_ids=np.repeat(rng.integers(3, vocab, (P, tp)) * prompt_mask_PxTp, G, 0),
         prompt_mask=np.repeat(prompt_mask_PxTp, G, 0),
         completion=rng.integers(3, vocab, (P * G, n)),
@@ -127,7 +127,7 @@ class Side:
     import jax
 
     from epgrpo_jax.parallel import distributed
-    from epgrpo_jax.training.programs import UpdateBatch
+    from epgrpo_jax.training.batches import UpdateBatch
 
     tr = self.trainer
     fns, frozen, reference = tr.fns, tr.policy.frozen, tr.policy.reference

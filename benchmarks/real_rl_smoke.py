@@ -126,7 +126,7 @@ def update_program_check(trainer):
   import jax.numpy as jnp
 
   from epgrpo_jax.rollout.sampling import bucket
-  from epgrpo_jax.training.programs import Rollout, UpdateBatch
+  from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch
 
   cfg, fns = trainer.cfg, trainer.fns
   b = cfg.train.prompts_per_step * cfg.train.num_generations
@@ -135,7 +135,7 @@ def update_program_check(trainer):
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   flag = lambda *s: jax.ShapeDtypeStruct(s, jnp.bool_)
-  batch = UpdateBatch(rollout=Rollout(i32(b, tp), flag(b, tp), i32(b, n), flag(b, n)),
+  batch = UpdateBatch(rollout=CompletionBatch(i32(b, tp), flag(b, tp), i32(b, n), flag(b, n)),
                       logp_old=f32(b, n), logp_ref=f32(b, n), advantage=f32(b, n))
   policy = trainer.policy
   opt_state = jax.eval_shape(trainer.tx.init, policy.trainable)

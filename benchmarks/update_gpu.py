@@ -36,7 +36,7 @@ import _common as C
 from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.models import LoraConfig, Qwen2, flops, preset
 from epgrpo_jax.parallel import sharding
-from epgrpo_jax.training import programs
+from epgrpo_jax.training import batches, objective, programs
 from epgrpo_jax.training.packing import pack
 
 SCOPES = ("attention", "lm_head")
@@ -83,7 +83,7 @@ def device_time_by_scope(trace_dir: str, scopes: dict[str, str]) -> dict[str, fl
 
 def packed_rollout(rows: int, row_length: int, prompt_len: int, completion_len: int,
                    vocab: int, seed: int = 0):
-  """(Rollout with its packing, prompts P, samples G): as many sequences as fill `rows` rows."""
+  """(CompletionBatch with its packing, prompts P, samples G): as many sequences as fill `rows` rows."""
   per_row = row_length // (prompt_len + completion_len - 1)
   if per_row < 1:
     raise SystemExit(f"--row-length {row_length}: shorter than one sequence")
@@ -95,7 +95,7 @@ def packed_rollout(rows: int, row_length: int, prompt_len: int, completion_len: 
   prompt_mask = np.ones((count, prompt_len), bool)
   completion_mask = np.ones((count, completion_len), bool)
   packing = pack(prompt_ids, prompt_mask, completion, completion_mask, row_length=row_length)
-  rollout = programs.Rollout(prompt_ids, prompt_mask, completion, completion_mask, packing)
+  rollout = batches.CompletionBatch(prompt_ids, prompt_mask, completion, completion_mask, packing)
   return rollout, count // samples, samples
 
 
@@ -121,7 +121,7 @@ def main() -> None:
   model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(0)))
   C._fill_random(model, 0, jnp.dtype(args.dtype))  # LoRA's B too: the policy is not the reference
   policy = programs.Policy.from_model(model, full_finetune=False)
-  tx, _ = programs.make_optimizer(1e-5, 1000, warmup_ratio=0.0, weight_decay=0.0,
+  tx, _ = objective.make_optimizer(1e-5, 1000, warmup_ratio=0.0, weight_decay=0.0,
                                   max_grad_norm=1.0)
   mesh = sharding.make_mesh(sharding.MeshConfig(1, 1, 1))
   s = programs.StepShardings.create(policy, tx, mesh)

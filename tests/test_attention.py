@@ -295,7 +295,7 @@ def test_blockwise_backward_temporaries_shrink():
 
 def test_training_config_reaches_the_model():
   from epgrpo_jax.training.config import ModelRunConfig
-  from epgrpo_jax.training.trainer import with_runtime_options
+  from epgrpo_jax.training.build import with_runtime_options
   model = random_model(tiny_config())
   section = ModelRunConfig(remat=True, attention="blockwise", attention_block=64)
   cfg = with_runtime_options(model, section).cfg

@@ -22,7 +22,7 @@ from flax import nnx
 from epgrpo_jax import evaluate as E
 from epgrpo_jax.evaluation import checkpoints as C
 from epgrpo_jax.evaluation import heldout as H
-from epgrpo_jax.training import programs as steps
+from epgrpo_jax.training import objective
 from epgrpo_jax.data.evalsets import DATA_DIR_ENV, get_spec, load_benchmark, shipped_file
 from epgrpo_jax.io.checkpointing import Checkpointer, restore_trainable
 from epgrpo_jax.models import LoraConfig, from_pretrained, lora_layers
@@ -155,7 +155,7 @@ def save_run(run_dir: Path, model, *, full: bool, steps_to_save=(3, 7),
   """A run directory as the trainer writes it: checkpoints/<step> with trainable,
   opt_state and key; config.yaml when `config` is given. Returns the saved trainable."""
   _, trainable, _ = nnx.split(model, nnx.Param if full else nnx.LoRAParam, ...)
-  tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.1, weight_decay=0.0, max_grad_norm=1.0)
+  tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.1, weight_decay=0.0, max_grad_norm=1.0)
   ckpt = Checkpointer(run_dir / "checkpoints", async_save=False)
   saved = None
   for i, step in enumerate(steps_to_save):

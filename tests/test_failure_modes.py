@@ -237,7 +237,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path):
 
 
 def test_rows_that_are_not_text_or_not_parsable_are_skipped_with_the_real_checks(tmp_path):
-  from epgrpo_jax.training.trainer import answer_parses
+  from epgrpo_jax.training.build import answer_parses
   path = tmp_path / "rows.jsonl"
   lines = [
       json.dumps({"problem": "What is 1+1?", "answer": "2"}),

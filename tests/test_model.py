@@ -818,17 +818,17 @@ def _update_temp_bytes(num_layers: int, remat: bool, sequences: int = 2, prompt:
                        completion: int = 320, **overrides) -> int:
   """Compiled temporaries of the trainer's update program (abstract shapes, never run)."""
   from epgrpo_jax.core import losses
-  from epgrpo_jax.training import programs as steps
+  from epgrpo_jax.training import batches, objective, programs
   cfg = preset("test-tiny", remat=remat, num_layers=num_layers, **overrides)
   model = nnx.eval_shape(lambda: Qwen2(cfg, lora=LoraConfig(rank=4, alpha=8.0), rngs=nnx.Rngs(0)))
-  policy = steps.Policy.from_model(model, full_finetune=False)
-  tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
-  fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
+  policy = programs.Policy.from_model(model, full_finetune=False)
+  tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
+  fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True, remat=remat)
   rows = lambda n, dt: jax.ShapeDtypeStruct((sequences, n), dt)
   p, c = prompt, completion
-  batch = steps.UpdateBatch(
-      rollout=steps.Rollout(rows(p, jnp.int32), rows(p, bool), rows(c, jnp.int32), rows(c, bool)),
+  batch = batches.UpdateBatch(
+      rollout=batches.CompletionBatch(rows(p, jnp.int32), rows(p, bool), rows(c, jnp.int32), rows(c, bool)),
       logp_old=rows(c, jnp.float32), logp_ref=rows(c, jnp.float32),
       advantage=rows(c, jnp.float32))
   opt_state = jax.eval_shape(tx.init, policy.trainable)
@@ -868,19 +868,19 @@ def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
   keeps one running sum, so its compiled temporaries stay put as k goes 1 -> 2 -> 4 (holding each
   micro-batch's gradients would add a weights' worth per micro-batch)."""
   from epgrpo_jax.core import losses
-  from epgrpo_jax.training import programs as steps
+  from epgrpo_jax.training import batches, objective, programs
   # Wide layers, few tokens: the weights (and so each gradient) outweigh the activations.
   cfg = preset("test-tiny", num_layers=2, hidden_size=256, intermediate_size=1024, num_heads=4,
                num_kv_heads=2)
   model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(0)))
   graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)  # full fine-tuning's split
-  policy = steps.Policy(graphdef, trainable, frozen, reference=trainable)
-  tx, _ = steps.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
-  fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
+  policy = programs.Policy(graphdef, trainable, frozen, reference=trainable)
+  tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
+  fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                             on_policy=True)
   rows = lambda n, dt: jax.ShapeDtypeStruct((8, n), dt)
-  batch = steps.UpdateBatch(
-      rollout=steps.Rollout(rows(8, jnp.int32), rows(8, bool), rows(8, jnp.int32), rows(8, bool)),
+  batch = batches.UpdateBatch(
+      rollout=batches.CompletionBatch(rows(8, jnp.int32), rows(8, bool), rows(8, jnp.int32), rows(8, bool)),
       logp_old=rows(8, jnp.float32), logp_ref=rows(8, jnp.float32), advantage=rows(8, jnp.float32))
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(policy.trainable))
   temp = {}

@@ -341,7 +341,7 @@ def test_sample_records_hold_every_per_token_quantity():
   from epgrpo_jax import rewards
   from epgrpo_jax.core import advantages
   from epgrpo_jax.data import pipeline as data
-  from epgrpo_jax.training import programs as steps
+  from epgrpo_jax.training import batches
   from epgrpo_jax.training.rollouts import sample_records
 
   rng = np.random.default_rng(0)
@@ -355,7 +355,7 @@ def test_sample_records_hold_every_per_token_quantity():
   examples = [data.Example(id=f"p{i}", problem=f"Compute {i}+1.", answer=str(i + 1),
                            prompt_ids=(1, 2)) for i in range(P)]
   tokens = rng.integers(3, 50, (P * G, T))
-  rollout = steps.Rollout(prompt_ids=jnp.zeros((P * G, 2), jnp.int32),
+  rollout = batches.CompletionBatch(prompt_ids=jnp.zeros((P * G, 2), jnp.int32),
                           prompt_mask=jnp.ones((P * G, 2), bool), completion=jnp.asarray(tokens),
                           completion_mask=jnp.asarray(mask.reshape(P * G, T)))
   flat = r.reshape(-1)

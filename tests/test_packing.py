@@ -19,7 +19,7 @@ from epgrpo_jax.core.advantages import AdvantageConfig
 from epgrpo_jax.core.losses import AGGREGATIONS, LossConfig
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import LoraConfig, _attention
-from epgrpo_jax.training import programs
+from epgrpo_jax.training import batches, objective, programs
 from epgrpo_jax.training.config import TrainConfig
 from epgrpo_jax.training.packing import (check_layout, num_rows, pack, pack_micro_batches,
                                          with_rows)
@@ -78,7 +78,7 @@ COMPLETION_4, COMPLETION_MASK_4 = COMPLETION + [[16, 17, 18, 19]], COMPLETION_MA
 
 
 def _micro(x, k):
-  """[k, R / k, ...]: `programs.accumulated_gradients`' split of a batch into k micro-batches."""
+  """[k, R / k, ...]: `objective.accumulated_gradients`' split of a batch into k micro-batches."""
   return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
 
 
@@ -131,7 +131,7 @@ def test_check_layout_knows_each_layout(seed):
 def test_update_refuses_a_packing_without_the_micro_batch_layout():
   padded, packed = _rollouts(seed=5)  # packed: `pack`'s layout, one micro-batch
   policy = _policy(attention="plain")
-  tx, _ = programs.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0,
+  tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0,
                                   max_grad_norm=1.0)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=LossConfig(), temperature=1.0,
                                on_policy=False)
@@ -255,7 +255,7 @@ def _rollouts(seed=0, b=8, tp=5, n=7, row_length=32):
       np.random.default_rng(seed), b, tp, n)
   completion_mask[0] = False
   completion_mask[1] = True  # one at the full length
-  padded = programs.Rollout(*map(jnp.asarray, (prompt_ids, prompt_mask, completion,
+  padded = batches.CompletionBatch(*map(jnp.asarray, (prompt_ids, prompt_mask, completion,
                                                completion_mask)))
   packing = pack(prompt_ids, prompt_mask, completion, completion_mask, row_length=row_length)
   assert packing.tokens.shape[0] < b  # the point: fewer rows than sequences
@@ -277,7 +277,7 @@ def _masked(tree, mask):
 def test_logprobs_and_entropies_equal_padded(cfg):
   padded, packed = _rollouts()
   policy = _policy(**cfg)
-  score = functools.partial(programs.score, policy.graphdef, temperature=0.7)
+  score = functools.partial(objective.score, policy.graphdef, temperature=0.7)
   want = jax.jit(score)(policy.trainable, policy.frozen, None, padded)
   mask = padded.completion_mask
   for fn in (jax.jit(score), score):
@@ -290,7 +290,7 @@ def _update_batch(rollout, seed=2):
   rng = np.random.default_rng(seed)
   b, n = rollout.completion.shape
   noise = lambda scale: jnp.asarray(scale * rng.standard_normal((b, n)), jnp.float32)
-  return programs.UpdateBatch(rollout=rollout, logp_old=noise(0.1) - 4.5,
+  return batches.UpdateBatch(rollout=rollout, logp_old=noise(0.1) - 4.5,
                               logp_ref=noise(0.1) - 4.5, advantage=noise(1.0))
 
 
@@ -300,7 +300,7 @@ def test_loss_and_gradients_equal_padded(aggregation):
   padded, packed = _rollouts(seed=3)
   policy = _policy(attention="plain")
   grads = jax.jit(functools.partial(
-      programs.gradients, policy.graphdef, loss_cfg=LossConfig(aggregation=aggregation, beta=0.04),
+      objective.gradients, policy.graphdef, loss_cfg=LossConfig(aggregation=aggregation, beta=0.04),
       temperature=1.0, on_policy=False))
   want = grads(policy.trainable, policy.frozen, _update_batch(padded))
   got = grads(policy.trainable, policy.frozen, _update_batch(packed))
@@ -319,7 +319,7 @@ def test_accumulated_gradients_equal_padded(aggregation):
   policy = _policy(attention="plain")
   trainable = jax.tree.map(lambda x: x + 0.05, policy.trainable)  # every adapter has a gradient
   grads = lambda k: jax.jit(functools.partial(
-      programs.accumulated_gradients, policy.graphdef, micro_batches=k,
+      objective.accumulated_gradients, policy.graphdef, micro_batches=k,
       loss_cfg=LossConfig(aggregation=aggregation, beta=0.04), temperature=1.0, on_policy=False))
   got = grads(2)(trainable, policy.frozen, _update_batch(packed))
   for k in (2, 1):
@@ -337,7 +337,7 @@ def test_fused_gradients_equal_padded(aggregation):
   trainable = jax.tree.map(lambda x: x + 0.05, policy.trainable)  # adapters on: policy != ref
   rewards_PxG = jnp.asarray([[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.0]])
   fused = jax.jit(functools.partial(
-      programs.fused_gradients, policy.graphdef, loss_cfg=LossConfig(aggregation=aggregation),
+      objective.fused_gradients, policy.graphdef, loss_cfg=LossConfig(aggregation=aggregation),
       adv_cfg=AdvantageConfig(), temperature=1.0))
   want = fused(trainable, policy.frozen, None, padded, rewards_PxG)
   got = fused(trainable, policy.frozen, None, packed, rewards_PxG)

@@ -284,24 +284,24 @@ def test_declared_specs_for_cache_and_batches():
 def test_sharded_rematerialised_update_matches_plain_update():
   """The update program on a (2, 2, 2) mesh with `remat` gives the one-device update."""
   from epgrpo_jax.core import losses
-  from epgrpo_jax.training import programs as steps
+  from epgrpo_jax.training import batches, objective, programs
   from epgrpo_jax.models import LoraConfig
   from helpers import random_model, tiny_config
 
-  tx, _ = steps.make_optimizer(1e-2, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
+  tx, _ = objective.make_optimizer(1e-2, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
   rng = np.random.default_rng(0)
   b, tp, n = 8, 4, 6
-  batch = steps.UpdateBatch(
-      steps.Rollout(rng.integers(0, 97, (b, tp)).astype(np.int32), np.ones((b, tp), bool),
+  batch = batches.UpdateBatch(
+      batches.CompletionBatch(rng.integers(0, 97, (b, tp)).astype(np.int32), np.ones((b, tp), bool),
                     rng.integers(0, 97, (b, n)).astype(np.int32), rng.random((b, n)) < 0.8),
       logp_old=np.zeros((b, n), np.float32), logp_ref=-rng.random((b, n)).astype(np.float32),
       advantage=rng.standard_normal((b, n)).astype(np.float32))
   results = []
   for remat, mesh in ((False, None), (True, make_mesh(MeshConfig(2, 2, 2)))):
     model = random_model(tiny_config(remat=remat), lora=LoraConfig(rank=4, alpha=8.0), seed=3)
-    policy = steps.Policy.from_model(model, full_finetune=False)
-    shardings = None if mesh is None else steps.StepShardings.create(policy, tx, mesh)
-    fns = steps.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
+    policy = programs.Policy.from_model(model, full_finetune=False)
+    shardings = None if mesh is None else programs.StepShardings.create(policy, tx, mesh)
+    fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
                               on_policy=True, shardings=shardings)
     opt_state = tx.init(policy.trainable)
     trainable, opt_state, metrics = fns.update(policy.trainable, opt_state, policy.frozen,

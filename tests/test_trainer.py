@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from epgrpo_jax.training import programs as steps
+from epgrpo_jax.training import batches, programs
 from epgrpo_jax.training.config import TrainConfig
 from epgrpo_jax.training.loop import train
 from epgrpo_jax.training.trainer import Trainer
@@ -42,18 +42,18 @@ def fixed_rollout(trainer: Trainer, state, key):
   out = trainer.sampler.sample(trainer.params(state.trainable), [e.prompt_ids for e in examples],
                                num_samples=t.num_generations, key=key)
   b = t.prompts_per_step * t.num_generations
-  rollout = steps.Rollout(prompt_ids=jnp.repeat(out.prompt_ids, t.num_generations, 0),
+  rollout = batches.CompletionBatch(prompt_ids=jnp.repeat(out.prompt_ids, t.num_generations, 0),
                           prompt_mask=jnp.repeat(out.prompt_mask, t.num_generations, 0),
                           completion=out.tokens.reshape(b, -1), completion_mask=out.mask.reshape(b, -1))
   return rollout
 
 
-def scored_batch(trainer: Trainer, state, key, advantage_fn) -> steps.UpdateBatch:
+def scored_batch(trainer: Trainer, state, key, advantage_fn) -> batches.UpdateBatch:
   """`fixed_rollout` with its scoring and reference passes and `advantage_fn(b, n)`."""
   rollout = fixed_rollout(trainer, state, key)
   logp_old, _, logp_ref = trainer.fns.score(state.trainable, trainer.policy.frozen,
                                             trainer.policy.reference, rollout)
-  return steps.UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
+  return batches.UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
                            advantage=advantage_fn(*rollout.completion.shape))
 
 
@@ -103,7 +103,7 @@ def test_on_policy_ratio_is_exactly_one(task, tmp_path):
     state = trainer.initial_state()
     rollout = fixed_rollout(trainer, state, jax.random.key(1))
     b, n = rollout.completion.shape
-    batch = steps.UpdateBatch(rollout=rollout, logp_old=jnp.zeros((b, n)),  # ignored on-policy
+    batch = batches.UpdateBatch(rollout=rollout, logp_old=jnp.zeros((b, n)),  # ignored on-policy
                               logp_ref=jnp.zeros((b, n)), advantage=jnp.ones((b, n)))
     _, _, m = trainer.fns.update(state.trainable, state.opt_state, trainer.policy.frozen, batch)
     assert float(m["ratio/mean"]) == 1.0
@@ -123,7 +123,7 @@ def test_reference_pass_uses_adapters_off(task, tmp_path):
     # LoRA B = 0 at the start: the same policy (up to float rounding of fused matmuls).
     np.testing.assert_allclose(np.asarray(logp_old)[mask], np.asarray(logp_ref)[mask], atol=1e-6)
     b, n = rollout.completion.shape
-    batch = steps.UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
+    batch = batches.UpdateBatch(rollout=rollout, logp_old=logp_old, logp_ref=logp_ref,
                               advantage=jnp.ones((b, n)))
     trainable, opt_state = state.trainable, state.opt_state
     for _ in range(2):
@@ -189,7 +189,7 @@ def test_fused_update_equals_the_separate_programs(task, tmp_path, overrides):
       chex.assert_trees_all_close((adv, comps, adv_metrics),
                                   (scored.advantage, scored.components, scored.adv_metrics),
                                   atol=1e-5, rtol=1e-5)
-      batch = steps.UpdateBatch(rollout=rollout, logp_old=scored.logp_old,
+      batch = batches.UpdateBatch(rollout=rollout, logp_old=scored.logp_old,
                                 logp_ref=scored.logp_ref, advantage=adv.reshape(P * G, -1))
       separate = fns.update(copy(trainable), copy(opt_state), frozen, batch)
       chex.assert_trees_all_close(separate, (new_trainable, new_opt_state, metrics), atol=1e-5,
@@ -264,7 +264,7 @@ def test_gradient_accumulation_equals_one_pass(task, tmp_path):
                                          trainer.policy.frozen, batch)
     assert len(AGGREGATIONS) == 3
     for aggregation in AGGREGATIONS:
-      fns = steps.StepFunctions(trainer.policy.graphdef, trainer.tx,
+      fns = programs.StepFunctions(trainer.policy.graphdef, trainer.tx,
                                 loss_cfg=LossConfig(aggregation=aggregation), temperature=1.0,
                                 on_policy=True, shardings=trainer.shardings)
       full = fns.gradients(trainable, trainer.policy.frozen, batch)

@@ -66,7 +66,7 @@ from epgrpo_jax.rewards import RewardScorer, parse_gold
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 from epgrpo_jax.training.config import TrainConfig, load_config
 from epgrpo_jax.training.embedded import resolve_embedded
-from epgrpo_jax.training.trainer import answer_parses
+from epgrpo_jax.training.build import answer_parses
 
 CONDITIONS = ("high", "low", "random")
 PAPER_RATIO = 3.5  # Fig 2(a): drop(high) / drop(low) on Qwen2.5 and MATH

@@ -16,11 +16,11 @@ from flax import nnx
 from epgrpo_jax.models import Qwen2, as_dtype, init_cache, rope_table
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rollout.sampling import Sampler, bucket, round_up, segment_ends
-from epgrpo_jax.training import programs
 from epgrpo_jax.training.advantage_program import AdvantageProgram
+from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch
+from epgrpo_jax.training.build import check_rows, step_programs, with_runtime_options
 from epgrpo_jax.training.packing import pack_micro_batches
-from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch
-from epgrpo_jax.training.trainer import check_rows, update_plan, with_runtime_options
+from epgrpo_jax.training.programs import Policy, StepFunctions, StepShardings
 
 
 def abstract(tree, shardings):
@@ -33,7 +33,7 @@ def abstract(tree, shardings):
 
 
 def synthetic_rollout(rows: int, prompt_slots: int, prompt_tokens: int, completion_slots: int,
-                      completion_tokens: int) -> Rollout:
+                      completion_tokens: int) -> CompletionBatch:
   """A host rollout of `rows` sequences: `prompt_tokens` real tokens left-padded to
   `prompt_slots`, `completion_tokens` real tokens right-padded to `completion_slots`, with the
   sampler's log-probs (the trainer always hands them on)."""
@@ -42,7 +42,7 @@ def synthetic_rollout(rows: int, prompt_slots: int, prompt_tokens: int, completi
   completion_mask = np.zeros((rows, completion_slots), bool)
   completion_mask[:, :completion_tokens] = True
   ones = lambda shape: np.ones(shape, np.int32)
-  return Rollout(ones((rows, prompt_slots)), prompt_mask, ones((rows, completion_slots)),
+  return CompletionBatch(ones((rows, prompt_slots)), prompt_mask, ones((rows, completion_slots)),
                  completion_mask, behaviour_logp=np.zeros((rows, completion_slots), np.float32))
 
 
@@ -73,24 +73,16 @@ class StepParts:
     model = nnx.eval_shape(lambda: Qwen2(model_cfg, lora=lora, rngs=nnx.Rngs(t.seed)))
     model = with_runtime_options(model, cfg.model)
     policy = Policy.from_model(model, cfg.model.full_finetune)
-    tx, _ = programs.make_optimizer(
-        cfg.optim.learning_rate, t.steps * t.num_iterations * t.mini_batches,
-        warmup_ratio=cfg.optim.warmup_ratio, weight_decay=cfg.optim.weight_decay,
-        max_grad_norm=cfg.optim.max_grad_norm, b1=cfg.optim.b1, b2=cfg.optim.b2, eps=cfg.optim.eps)
-    on_policy, fused = update_plan(t, mesh)
-    shardings = StepShardings.create(policy, tx, mesh)
+    built = step_programs(cfg, policy, mesh)
+    tx, fused, shardings = built.tx, built.fused, built.shardings
     of = lambda state, where: None if state is None else abstract(state, where)
     policy = dataclasses.replace(policy, trainable=of(policy.trainable, shardings.trainable),
                                  frozen=of(policy.frozen, shardings.frozen),
                                  reference=of(policy.reference, shardings.reference))
-    fns = StepFunctions(policy.graphdef, tx, loss_cfg=cfg.loss,
-                        temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
-                        shardings=shardings, remat=cfg.model.remat,
-                        adv_cfg=cfg.advantage if fused else None)
     sampler = Sampler(cfg.sampling, eos_ids=model_cfg.eos_ids or (0,), pad_id=0, mesh=mesh)
     prompt_slots = bucket(prompt_tokens, cfg.sampling.prompt_buckets)
     packing_length = t.packing_length or prompt_tokens + cfg.sampling.max_new_tokens
-    return cls(cfg, model_cfg, mesh, policy, shardings, tx, fns, sampler, fused, prompt_slots,
+    return cls(cfg, model_cfg, mesh, policy, shardings, tx, built.fns, sampler, fused, prompt_slots,
                prompt_tokens, completion_tokens, packing_length)
 
   # -- abstract arguments ------------------------------------------------------------------
@@ -107,7 +99,7 @@ class StepParts:
   def opt_state(self):
     return abstract(jax.eval_shape(self.tx.init, self.trainable), self.shardings.opt_state)
 
-  def rollout(self, rows: int, micro_batches: int = 1) -> Rollout:
+  def rollout(self, rows: int, micro_batches: int = 1) -> CompletionBatch:
     """The abstract rollout of `rows` sequences as the trainer hands it to the programs: the
     completions cut to their length bucket, packed (per micro-batch) under train.packing."""
     t, s = self.cfg.train, self.cfg.sampling

@@ -22,7 +22,8 @@ from epgrpo_jax.parallel import distributed
 from epgrpo_jax.training.config import EMBEDDED, TrainConfig
 from epgrpo_jax.training.embedded import resolve_embedded
 from epgrpo_jax.training.rollouts import sample_records
-from epgrpo_jax.training.trainer import JSONL_OUTPUTS, Trainer, check_writable
+from epgrpo_jax.training.build import JSONL_OUTPUTS, check_writable
+from epgrpo_jax.training.trainer import Trainer
 
 log = logging.getLogger("epgrpo_jax.training.loop")
 

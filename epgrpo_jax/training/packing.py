@@ -16,7 +16,7 @@ shards), so that a run compiles its programs for at most two row counts per doub
 at most a third of the rows are empty. Host-side numpy.
 
 With gradient accumulation (`train.grad_accumulation` = k), `pack_micro_batches` packs each
-micro-batch apart into rows laid out the way `programs.accumulated_gradients` splits a batch.
+micro-batch apart into rows laid out the way `objective.accumulated_gradients` splits a batch.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from epgrpo_jax.io.errors import UserError
 
 
 @struct.dataclass
-class Packing:
+class PackedRows:
   """A rollout's sequences in R rows of L slots, and where its completion tokens went."""
 
   tokens: jax.Array  # [R, L] int32: prompt + completion tokens (the last one needs no slot)
@@ -75,7 +75,7 @@ def first_fit_decreasing(lengths_B, row_length: int) -> tuple[np.ndarray, np.nda
 
 
 def pack(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, completion_mask_BxN, *,
-         row_length: int, multiple: int = 1) -> Packing:
+         row_length: int, multiple: int = 1) -> PackedRows:
   """The packed layout (numpy) of a rollout; `multiple`: the row count's divisor (shards).
 
   Sequence b is its prompt's real tokens then its completion's real tokens (those where the
@@ -104,13 +104,13 @@ def pack(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, completion_mask_BxN,
     predicting = s + len(prompt) - 1 + np.arange(len(scored_N))
     targets_RxL[r, predicting] = completion[b, scored_N]
     index_BxN[b, scored_N] = r * row_length + predicting
-  return Packing(tokens_RxL, positions_RxL, segments_RxL, targets_RxL, index_BxN)
+  return PackedRows(tokens_RxL, positions_RxL, segments_RxL, targets_RxL, index_BxN)
 
 
 def pack_micro_batches(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, completion_mask_BxN,
-                       *, micro_batches: int, row_length: int, multiple: int = 1) -> Packing:
+                       *, micro_batches: int, row_length: int, multiple: int = 1) -> PackedRows:
   """`pack` of each of k micro-batches apart (micro-batch i: sequences i, i + k, ...), in the
-  layout `programs.accumulated_gradients` splits: k x R_m rows, row j * k + i being row j of
+  layout `objective.accumulated_gradients` splits: k x R_m rows, row j * k + i being row j of
   micro-batch i, and each sequence's `index` a slot of its own micro-batch's [R_m, L] rows.
 
   R_m, the same for every micro-batch, is the most rows one needs, bucketed (`num_rows`) and
@@ -129,7 +129,7 @@ def pack_micro_batches(prompt_ids_BxTp, prompt_mask_BxTp, completion_BxN, comple
                       *(with_rows(p, rows) for p in packs_K))
 
 
-def check_layout(packing: Packing, completion_BxN, completion_mask_BxN, micro_batches: int):
+def check_layout(packing: PackedRows, completion_BxN, completion_mask_BxN, micro_batches: int):
   """Raises ValueError unless `packing` has `pack_micro_batches`' layout for `micro_batches`:
   each scored completion token is the target of the slot its `index` names in its own
   micro-batch's rows (`pack`'s layout passes only for micro_batches = 1)."""
@@ -148,7 +148,7 @@ def check_layout(packing: Packing, completion_BxN, completion_mask_BxN, micro_ba
                      f"pack_micro_batches(..., micro_batches={k})")
 
 
-def with_rows(packing: Packing, rows: int) -> Packing:
+def with_rows(packing: PackedRows, rows: int) -> PackedRows:
   """`packing` with empty rows appended up to `rows` (its `index` holds as it is)."""
   grow = lambda x_RxL: np.pad(x_RxL, ((0, rows - x_RxL.shape[0]), (0, 0)))
   return packing.replace(tokens=grow(packing.tokens), positions=grow(packing.positions),
@@ -162,7 +162,7 @@ def interleave(parts_K) -> np.ndarray:
   return stacked.reshape(-1, *stacked.shape[2:])
 
 
-def check_segments(packing: Packing, most: int) -> None:
+def check_segments(packing: PackedRows, most: int) -> None:
   """Raises a one-line UserError if a row holds more than `most` sequences (cuDNN attention
   takes each row's sequences as `model.attention_segments` lengths and offsets)."""
   held = int(np.asarray(packing.segments).max(initial=0))  # ids run 1, 2, ... within a row
@@ -171,7 +171,7 @@ def check_segments(packing: Packing, most: int) -> None:
                     f"{most}; raise it to {held} or more, or shorten train.packing_length")
 
 
-def fill(packing: Packing) -> float:
+def fill(packing: PackedRows) -> float:
   """Share of the packed slots holding a token."""
   segments = np.asarray(packing.segments)
   return float((segments > 0).mean())

@@ -1,18 +1,19 @@
 """A step's records on the host: the sampled round and the collected step (`Trainer.collect`),
-the dynamic-sampling helpers that pick and merge groups, the step's metrics, and the sample
-records of samples.jsonl (read by the heat map)."""
+the dynamic-sampling helpers that pick and merge groups, and the sample records of
+samples.jsonl (read by the heat map). The step's metrics are in `metrics`."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from epgrpo_jax.data import pipeline
 from epgrpo_jax.io.metrics import token_strings
-from epgrpo_jax.training.programs import Rollout
+from epgrpo_jax.parallel import distributed
+from epgrpo_jax.training.batches import CompletionBatch
 
 
 @dataclasses.dataclass
@@ -39,7 +40,7 @@ class Collected:
   texts: list[str]  # [B] decoded completions
   rewards: Any  # rewards.RewardResult
   rewards_PxG: np.ndarray
-  rollout: Rollout
+  rollout: CompletionBatch
   completion_BxN: np.ndarray
   completion_mask_BxN: np.ndarray
   loss_mask_BxN: np.ndarray  # without truncated completions when they are masked
@@ -127,48 +128,53 @@ def merge_rewards(results: list, keep: np.ndarray, G: int):
   return merged
 
 
-def step_metrics(*, rewards, rewards_PxG, mask_BxN, entropy, update_metrics, adv_metrics, eos_ids,
-                 completion_BxN, entropy_mask_BxN=None) -> dict[str, float]:
-  """Per-step metrics with TRL's names where TRL has the metric.
+def dynamic_round_batch(cfg, sample_key: jax.Array, sample_round: Callable, score_rewards: Callable,
+                        pad_id: int):
+  """DAPO dynamic sampling: `(round, texts, rewards, metrics)` for P groups (`cfg`: the run's
+  TrainConfig).
 
-  `entropy_mask_BxN` (default `mask_BxN`): the tokens the entropy mean is over."""
-  lengths = mask_BxN.sum(axis=1)
-  ended = ~truncated_rows(completion_BxN, mask_BxN, eos_ids)
-  group_std = rewards_PxG.std(axis=1, ddof=1) if rewards_PxG.shape[1] > 1 else np.zeros(len(rewards_PxG))
-  entropy_mask_BxN = mask_BxN if entropy_mask_BxN is None else entropy_mask_BxN
-  mean_update = {k: float(np.mean([m[k] for m in update_metrics])) for k in update_metrics[0]}
-  out = {
-      "reward": float(rewards_PxG.mean()),
-      "reward_std": float(group_std.mean()),
-      "frac_reward_zero_std": float((group_std < 1e-6).mean()),
-      "accuracy": float(np.mean(rewards.accuracy)),
-      "format": float(np.mean(rewards.format)),
-      "completions/mean_length": float(lengths.mean()),
-      "completions/min_length": float(lengths.min()),
-      "completions/max_length": float(lengths.max()),
-      "completions/clipped_ratio": float(1.0 - ended.mean()),
-      "entropy": float(np.where(entropy_mask_BxN, entropy, 0.0).sum()
-                       / max(entropy_mask_BxN.sum(), 1)),
-      "kl": mean_update["kl"],
-      "clip_ratio/low_mean": mean_update["clip_ratio/low_mean"],
-      "clip_ratio/high_mean": mean_update["clip_ratio/high_mean"],
-      "clip_ratio/region_mean": mean_update["clip_ratio/region_mean"],
-      "grad_norm": mean_update["grad_norm"],
-      "loss": mean_update["loss"],
+  `sample_round(key)` samples the data iterator's next P prompts (`Trainer.sample_round`) and
+  `score_rewards(examples, completion_BxN, mask_BxN)` rewards them (`Trainer.score_rewards`).
+  Round 0 samples with `sample_key` (what a step without dynamic sampling
+  samples); extra round r with `fold_in(sample_key, r)` on the next batch of
+  P prompts of the data iterator, until P groups with a reward signal are in
+  hand or `dynamic_sampling.max_extra_rounds` are spent. `select_groups`
+  then keeps P groups (see there); every round has the step's shapes, so
+  nothing recompiles. The data iterator's position (checkpointed) counts
+  every round.
+  """
+  P, G = cfg.train.prompts_per_step, cfg.train.num_generations
+  rounds, texts, results, signal = [], [], [], []
+  for r in range(1 + cfg.dynamic_sampling.max_extra_rounds):
+    key = sample_key if r == 0 else jax.random.fold_in(sample_key, r)
+    rnd = sample_round(key)
+    text, result = score_rewards(rnd.examples, rnd.tokens.reshape(P * G, -1),
+                                 rnd.mask.reshape(P * G, -1))
+    # Every process selects the same groups: process 0's rewards decide.
+    result.reward = distributed.broadcast_from_main(
+        np.asarray(result.reward, np.float32).reshape(P, G)).reshape(-1)
+    rounds.append(rnd)
+    texts.append(text)
+    results.append(result)
+    signal.append(group_has_signal(result.reward.reshape(P, G), cfg.advantage.zero_std_tol))
+    if np.concatenate(signal).sum() >= P:
+      break
+  has_signal = np.concatenate(signal)
+  keep = select_groups(has_signal, P)
+  batch = merge_rounds(rounds, keep, pad_id)
+  flat = lambda lists: [x for sub in lists for x in sub]
+  all_texts = flat(texts)
+  kept_texts = [all_texts[g * G + i] for g in keep for i in range(G)]
+  rewards = merge_rewards(results, keep, G)
+  kept_signal = int(has_signal[keep].sum())
+  metrics = {
+      "dynamic/rounds": float(len(rounds)),
+      "dynamic/extra_prompts": float((len(rounds) - 1) * P),
+      "dynamic/dropped_groups": float((~has_signal).sum() - (P - kept_signal)),
+      "dynamic/filled_zero_variance_groups": float(P - kept_signal),
+      "dynamic/surplus_signal_groups": float(has_signal.sum() - kept_signal),
   }
-  if "entropy_mask/kept_frac" in mean_update:
-    out["entropy_mask/kept_frac"] = mean_update["entropy_mask/kept_frac"]
-  out.update(mismatch_metrics(update_metrics))
-  out.update({k: float(v) for k, v in adv_metrics.items()})
-  return out
-
-
-def mismatch_metrics(update_metrics: list[dict]) -> dict[str, float]:
-  """The step's sampler/trainer mismatch and correction metrics (`core.mismatch`) from its
-  updates' metrics: the largest `/max`, the smallest `/min`, the mean of the rest."""
-  combine = lambda k: max if k.endswith("/max") else min if k.endswith("/min") else np.mean
-  return {k: float(combine(k)([float(m[k]) for m in update_metrics])) for k in update_metrics[0]
-          if k.startswith(("sampling/", "rollout_corr/"))}
+  return batch, kept_texts, rewards, metrics
 
 
 def sample_records(step: int, record: dict, count: int, tokenizer=None) -> list[dict]:

@@ -2,14 +2,15 @@
 reward workers; `Trainer.step` is `collect` (sample -> reward -> score -> advantage) then
 `update`, and reads top to bottom. Host work (decoding text, rewards) overlaps the scoring
 pass on the device; everything on the device is a jitted program (`programs`,
-`advantage_program`). The loop around it is `loop.train`.
+`advantage_program`). A run's pieces are built by `build`, the step's metrics by `metrics`;
+the loop around it is `loop.train`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,31 +22,26 @@ from flax import nnx
 from epgrpo_jax.data import pipeline
 from epgrpo_jax.evaluation.heldout import EvalResult, evaluate_examples
 from epgrpo_jax.io import configlib
-from epgrpo_jax.io.atomic import check_output_paths
 from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.metrics import MetricsWriter
-from epgrpo_jax.models import flops
 from epgrpo_jax.models import (check_vocab, from_pretrained, load_hf_config, load_tokenizer, resolve_attention,
                                save_pretrained, stop_token_ids)
-from epgrpo_jax.parallel import distributed, sharding
+from epgrpo_jax.parallel import distributed
 from epgrpo_jax.parallel.sharding import make_mesh
 from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
 from epgrpo_jax.rollout.sampling import Sampler, bucket
-from epgrpo_jax.training import programs
 from epgrpo_jax.training.advantage_program import AdvantageProgram
+from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch, split_rows
+from epgrpo_jax.training.build import (check_run, load_data, packing_length, step_programs,
+                                       with_runtime_options)
 from epgrpo_jax.training.config import TrainConfig
+from epgrpo_jax.training.metrics import step_report
 from epgrpo_jax.training.packing import check_segments, pack_micro_batches
-from epgrpo_jax.training.programs import Policy, Rollout, StepFunctions, StepShardings, UpdateBatch, split_rows
-from epgrpo_jax.training.rollouts import (Collected, SampledRound, group_has_signal, merge_rewards, merge_rounds,
-                                          select_groups, step_metrics, truncated_rows)
+from epgrpo_jax.training.programs import Policy
+from epgrpo_jax.training.rollouts import Collected, SampledRound, dynamic_round_batch, truncated_rows
 
 log = logging.getLogger("epgrpo_jax.training.trainer")
-
-# What a run writes in train.output_dir.
-RUN_DIRS = ("checkpoints", "policy", "tensorboard")
-RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json")
-JSONL_OUTPUTS = tuple(name for name in RUN_FILES if name.endswith(".jsonl"))  # appended per step
 
 
 @dataclasses.dataclass
@@ -85,41 +81,18 @@ class Trainer:
 
     # Everything that can be wrong with the input is checked before any weights load.
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)  # raises if sizes mismatch
-    check_rows(t, self.mesh)
-    check_writable(self.out_dir)
-    check_output_paths(self.out_dir, "train.output_dir", dirs=RUN_DIRS, files=RUN_FILES)
-    if t.prompts_per_step % jax.process_count():
-      raise UserError(f"train.prompts_per_step: {t.prompts_per_step} is not divisible by the "
-                       f"{jax.process_count()} processes")
+    check_run(cfg, self.mesh, self.out_dir)
     model_cfg = load_hf_config(model_dir)
     self.tokenizer = load_tokenizer(model_dir)
     check_vocab(self.tokenizer, model_cfg, model_dir)
-    self.renderer = pipeline.PromptRenderer(self.tokenizer, cfg.data)
-    self.train_examples, self.skips = pipeline.load_examples(cfg.data.train_files, self.renderer,
-                                                         cfg.data, answer_ok=answer_parses)
-    self.heldout: list[pipeline.Example] = []
-    if cfg.data.heldout_file:
-      self.heldout, heldout_skips = pipeline.load_examples([cfg.data.heldout_file], self.renderer,
-                                                       cfg.data, answer_ok=answer_parses,
-                                                       field="data.heldout_file")
-      if cfg.data.heldout_limit:
-        self.heldout = self.heldout[:cfg.data.heldout_limit]
-      self.skips.update({f"heldout_{k}": v for k, v in heldout_skips.items()})
+    data = load_data(cfg, self.tokenizer)
+    self.renderer, self.train_examples, self.heldout, self.skips = (
+        data.renderer, data.train_examples, data.heldout, data.skips)
     if self.is_main:
       log.info("data: %d training problems, %d held-out; skipped rows: %s",
                len(self.train_examples), len(self.heldout), self.skips.summary())
-
     longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
-    if longest + cfg.sampling.max_new_tokens > model_cfg.max_position_embeddings:
-      raise UserError(f"sampling.max_new_tokens: the longest prompt ({longest} tokens) plus "
-                       f"{cfg.sampling.max_new_tokens} new tokens exceeds the model's context of "
-                       f"{model_cfg.max_position_embeddings} tokens")
-    # A packed row holds any one sequence: a prompt and its completion, less its last token.
-    self.packing_length = t.packing_length or longest + cfg.sampling.max_new_tokens
-    if t.packing and self.packing_length < longest + cfg.sampling.max_new_tokens - 1:
-      raise UserError(f"train.packing_length: {t.packing_length} tokens cannot hold the longest "
-                       f"prompt plus sampling.max_new_tokens - 1 "
-                       f"({longest + cfg.sampling.max_new_tokens - 1} tokens)")
+    self.packing_length = packing_length(cfg, longest, model_cfg.max_position_embeddings)
     self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
     if not self.eos_ids:
       raise UserError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
@@ -130,21 +103,12 @@ class Trainer:
                             lora=lora, mesh=self.mesh, seed=t.seed)
     model = with_runtime_options(model, cfg.model)
     self.model_cfg = model.cfg
-    self.policy = Policy.from_model(model, cfg.model.full_finetune)
     self.model_dir = model_dir
-
-    total_updates = t.steps * t.num_iterations * t.mini_batches
-    o = cfg.optim
-    self.tx, self.schedule = programs.make_optimizer(
-        o.learning_rate, total_updates, warmup_ratio=o.warmup_ratio, weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
-    on_policy, self.fused = update_plan(t, self.mesh, warn=True)
-    self.shardings = StepShardings.create(self.policy, self.tx, self.mesh)
-    self.policy = self.shardings.place_policy(self.policy)
-    self.fns = StepFunctions(self.policy.graphdef, self.tx, loss_cfg=cfg.loss,
-                             temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
-                             shardings=self.shardings, remat=cfg.model.remat,
-                             adv_cfg=cfg.advantage if self.fused else None)
+    policy = Policy.from_model(model, cfg.model.full_finetune)
+    built = step_programs(cfg, policy, self.mesh, warn=True)
+    self.tx, self.schedule, self.fused = built.tx, built.schedule, built.fused
+    self.shardings, self.fns = built.shardings, built.fns
+    self.policy = self.shardings.place_policy(policy)
     self.advantage_fn = AdvantageProgram(self.mesh)
 
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -234,7 +198,9 @@ class Trainer:
     # 1. Sample G completions per prompt with the current policy.
     rewards, dynamic_metrics, rounds = None, {}, 1
     if cfg.dynamic_sampling.enabled and examples is None:
-      host, texts, rewards, dynamic_metrics = self.dynamic_round_batch(state.trainable, sample_key)
+      host, texts, rewards, dynamic_metrics = dynamic_round_batch(
+          cfg, sample_key, functools.partial(self.sample_round, state.trainable),
+          self.score_rewards, self.pad_id)
       rounds = int(dynamic_metrics["dynamic/rounds"])
     else:
       host = self.sample_round(state.trainable, sample_key, examples)
@@ -253,7 +219,7 @@ class Trainer:
     loss_mask_BxN = completion_mask_BxN
     if cfg.loss.mask_truncated_completions:
       loss_mask_BxN = completion_mask_BxN & ~truncated_B[:, None]
-    rollout = distributed.place(self.packed(Rollout(
+    rollout = distributed.place(self.packed(CompletionBatch(
         prompt_ids=np.repeat(host.prompt_ids, G, axis=0),
         prompt_mask=np.repeat(host.prompt_mask, G, axis=0),
         completion=completion_BxN, completion_mask=loss_mask_BxN,
@@ -329,37 +295,10 @@ class Trainer:
         num_tokens=state.num_tokens + num_completion_tokens + num_prompt_tokens,
         num_samples=state.num_samples + c.rounds * P * G)
     step_time = time.perf_counter() - c.start
-    metrics = step_metrics(
-        rewards=c.rewards, rewards_PxG=c.rewards_PxG, mask_BxN=c.completion_mask_BxN,
-        entropy=distributed.to_host(c.entropy), update_metrics=update_metrics,
-        adv_metrics=distributed.to_host(c.adv_metrics), eos_ids=self.eos_ids,
-        completion_BxN=c.completion_BxN, entropy_mask_BxN=c.loss_mask_BxN)
-    metrics.update(c.dynamic_metrics)
-    if cfg.loss.mask_truncated_completions:
-      metrics["overlong/masked_frac"] = float(c.truncated_B.mean())
-    if cfg.reward.overlong_buffer:
-      metrics["overlong/penalty_mean"] = float(c.rewards.overlong_penalty.mean())
-    optimizer_updates = new_state.step * t.num_iterations * t.mini_batches
-    metrics.update({
-        "learning_rate": float(self.schedule(max(optimizer_updates - 1, 0))),
-        "step_time": step_time,
-        "sample_time": c.sample_time,
-        "update_time": update_time,
-        "num_tokens": new_state.num_tokens,
-        "tokens_per_second": num_completion_tokens / step_time,
-        "sampling/tokens_per_second": num_completion_tokens / max(c.sample_time, 1e-9),
-        "train/tokens_per_second": (t.num_iterations * (num_completion_tokens + num_prompt_tokens)
-                                    / max(update_time, 1e-9)),
-        "skipped_updates": new_state.skipped_updates,
-        "num_samples": new_state.num_samples,
-        "reward_timeouts": float(c.rewards.timeouts),
-        "reward_errors": float(c.rewards.errors),
-    })
-    metrics.update(flops.update_performance(
-        self.model_cfg, c.host.prompt_mask.sum(1), c.completion_mask_BxN.sum(1), G, update_time,
-        full_finetune=cfg.model.full_finetune, fused=fused, iterations=t.num_iterations,
-        peak=flops.peak_flops(jax.devices()[0].device_kind, cfg.logging.peak_tflops),
-        chips=jax.device_count()))
+    metrics = step_report(cfg, c, update_metrics, new_state, update_time=update_time,
+                          step_time=step_time, completion_tokens=num_completion_tokens,
+                          prompt_tokens=num_prompt_tokens, schedule=self.schedule,
+                          model_cfg=self.model_cfg, eos_ids=self.eos_ids, fused=fused)
     return new_state, metrics, c.record()
 
   def sample_round(self, trainable: nnx.State, key: jax.Array,
@@ -391,55 +330,10 @@ class Trainer:
                                     + penalty_B, overlong_penalty=penalty_B)
     return texts, rewards
 
-  def dynamic_round_batch(self, trainable: nnx.State, sample_key: jax.Array):
-    """DAPO dynamic sampling: `(round, texts, rewards, metrics)` for P groups.
-
-    Round 0 samples with `sample_key` (what a step without dynamic sampling
-    samples); extra round r with `fold_in(sample_key, r)` on the next batch of
-    P prompts of the data iterator, until P groups with a reward signal are in
-    hand or `dynamic_sampling.max_extra_rounds` are spent. `select_groups`
-    then keeps P groups (see there); every round has the step's shapes, so
-    nothing recompiles. The data iterator's position (checkpointed) counts
-    every round.
-    """
-    cfg = self.cfg
-    P, G = cfg.train.prompts_per_step, cfg.train.num_generations
-    rounds, texts, results, signal = [], [], [], []
-    for r in range(1 + cfg.dynamic_sampling.max_extra_rounds):
-      key = sample_key if r == 0 else jax.random.fold_in(sample_key, r)
-      rnd = self.sample_round(trainable, key)
-      text, result = self.score_rewards(rnd.examples, rnd.tokens.reshape(P * G, -1),
-                                        rnd.mask.reshape(P * G, -1))
-      # Every process selects the same groups: process 0's rewards decide.
-      result.reward = distributed.broadcast_from_main(
-          np.asarray(result.reward, np.float32).reshape(P, G)).reshape(-1)
-      rounds.append(rnd)
-      texts.append(text)
-      results.append(result)
-      signal.append(group_has_signal(result.reward.reshape(P, G), cfg.advantage.zero_std_tol))
-      if np.concatenate(signal).sum() >= P:
-        break
-    has_signal = np.concatenate(signal)
-    keep = select_groups(has_signal, P)
-    batch = merge_rounds(rounds, keep, self.pad_id)
-    flat = lambda lists: [x for sub in lists for x in sub]
-    all_texts = flat(texts)
-    kept_texts = [all_texts[g * G + i] for g in keep for i in range(G)]
-    rewards = merge_rewards(results, keep, G)
-    kept_signal = int(has_signal[keep].sum())
-    metrics = {
-        "dynamic/rounds": float(len(rounds)),
-        "dynamic/extra_prompts": float((len(rounds) - 1) * P),
-        "dynamic/dropped_groups": float((~has_signal).sum() - (P - kept_signal)),
-        "dynamic/filled_zero_variance_groups": float(P - kept_signal),
-        "dynamic/surplus_signal_groups": float(has_signal.sum() - kept_signal),
-    }
-    return batch, kept_texts, rewards, metrics
-
   # -- helpers ----------------------------------------------------------------------------
 
-  def packed(self, rollout: Rollout, micro_batches: int = 1) -> Rollout:
-    """`rollout` with its `Packing` (built on the host) under train.packing, else as it is;
+  def packed(self, rollout: CompletionBatch, micro_batches: int = 1) -> CompletionBatch:
+    """`rollout` with its `PackedRows` (built on the host) under train.packing, else as it is;
     `micro_batches` > 1: each micro-batch of the update packed apart (`pack_micro_batches`),
     a layout only `fns.update(..., micro_batches=...)` reads."""
     if not self.cfg.train.packing:
@@ -503,60 +397,3 @@ class Trainer:
     self.scorer.close()
     self.writer.close()
 
-
-def check_writable(directory: Path) -> None:
-  """Raises a one-line error unless `directory` can be created and written."""
-  try:
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".write-test-{os.getpid()}"
-    probe.write_text("")
-    probe.unlink()
-  except OSError as e:
-    raise UserError(f"train.output_dir: not writable: {directory} ({e.strerror})") from None
-
-
-def answer_parses(answer: str) -> bool:
-  """Whether a row's gold answer parses (rows whose answer does not are skipped, counted)."""
-  try:
-    parse_gold(answer)
-    return True
-  except ValueError:
-    return False
-
-
-def check_rows(t, mesh: jax.sharding.Mesh) -> None:
-  """Raises a config error unless the mesh's batch shards divide a step's sequences and each
-  update's micro-batches (`train` section `t`)."""
-  rows = t.prompts_per_step * t.num_generations
-  sharding.check_batch(mesh, rows, "train.prompts_per_step x train.num_generations")
-  if t.mini_batches * t.grad_accumulation > 1:
-    sharding.check_batch(mesh, rows // (t.mini_batches * t.grad_accumulation),
-                         "train.prompts_per_step x train.num_generations / "
-                         "(train.mini_batches x train.grad_accumulation)")
-
-
-def update_plan(t, mesh: jax.sharding.Mesh, *, warn: bool = False) -> tuple[bool, bool]:
-  """(on_policy, fused) for the `train` section `t` on `mesh`: whether every update is the
-  first and only one on its rollout, and whether scoring, advantage and update run as the one
-  fused program (`programs.fused_update`) or as separate programs."""
-  on_policy = t.num_iterations == 1 and t.mini_batches == 1
-  # One program per on-policy update: the scoring pass is the update's own forward.
-  fused = (t.fused_update and on_policy and t.grad_accumulation == 1
-           and not t.reuse_sampler_logprobs)
-  if fused and t.packing and mesh.shape["fsdp"] > 1 and mesh.shape["tensor"] > 1:
-    # The packed fused program deadlocked in its collectives on XLA:CPU on such meshes
-    # (docs/distributed.md, "Packing on a mesh"); the separate programs give the same update.
-    if warn:
-      log.warning("train.fused_update: separate programs, not one, with train.packing on a mesh "
-                  "with fsdp %d and tensor %d > 1", mesh.shape["fsdp"], mesh.shape["tensor"])
-    fused = False
-  return on_policy, fused
-
-
-def with_runtime_options(model, section):
-  """The model with `model.remat`, `model.attention`, `model.attention_block` and
-  `model.attention_segments` applied."""
-  model.cfg = model.cfg.replace(remat=model.cfg.remat or section.remat, attention=section.attention,
-                                attention_block=section.attention_block,
-                                attention_segments=section.attention_segments)
-  return model
