@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epgrpo_jax"
 # Each package (a directory, or a command module at the top) sits in one layer.
 LAYERS = {
     0: ["core", "io", "parallel", "kernels"],
-    1: ["models", "data", "rewards"],
+    1: ["models", "data", "rewards", "estimators"],
     2: ["rollout", "supervised"],
     3: ["tasks", "evaluation"],
     4: ["training"],

@@ -46,8 +46,14 @@ VARIANTS: dict[str, dict[str, bool]] = {
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  """Hyper-parameters and switches of the EP-GRPO advantage (paper defaults)."""
+  """The advantage estimator and its hyper-parameters (EP-GRPO with the paper's defaults).
 
+  `estimator` names an entry of the registry in `epgrpo_jax.estimators` (checked with the
+  training config); the switches and gamma, lam, eta, num_buckets, reward_threshold are the
+  options of `epgrpo`, the rest are shared by every estimator of the GRPO family.
+  """
+
+  estimator: str = "epgrpo"  # epgrpo | grpo | dr_grpo | rloo (docs/method.md, "Estimators")
   gamma: float = 5.0  # entropy-gate steepness (eq. 18)
   lam: float = 0.1  # implicit-signal scale lambda (eq. 20)
   eta: float = 0.2  # progress-advantage weight (eq. 25)
@@ -62,6 +68,8 @@ class AdvantageConfig:
   zero_variance_anchor: bool = True
 
   def __post_init__(self):
+    if not (isinstance(self.estimator, str) and self.estimator):
+      raise UserError(f"advantage.estimator: must be an estimator's name, got {self.estimator!r}")
     is_number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
     for name in ("gamma", "lam", "eta", "eps", "delta", "zero_std_tol"):
       value = getattr(self, name)
@@ -105,6 +113,19 @@ class Components:
   zero_variance: jax.Array  # bool, [P]
 
 
+def group_deviation(rewards_PxG: jax.Array, *, ddof: int) -> tuple[jax.Array, jax.Array]:
+  """`(r - mean(r), std(r))` per group: `(dev_PxG, std_P)`, the std `ddof`-corrected (0 when a
+  group has too few responses for the ddof)."""
+  r_PxG = rewards_PxG.astype(jnp.float32)
+  num = r_PxG.shape[-1]
+  dev_PxG = r_PxG - jnp.mean(r_PxG, axis=-1, keepdims=True)
+  if num - ddof > 0:
+    std_P = jnp.sqrt(jnp.sum(dev_PxG * dev_PxG, axis=-1) / (num - ddof))
+  else:
+    std_P = jnp.zeros(r_PxG.shape[:-1], jnp.float32)
+  return dev_PxG, std_P
+
+
 def outcome_advantage(rewards_PxG: jax.Array, *, delta: float, ddof: int,
                       zero_std_tol: float) -> tuple[jax.Array, jax.Array]:
   """GRPO's group-normalised reward (eq. 3): `(A_PxG, zero_variance_P)`.
@@ -113,16 +134,47 @@ def outcome_advantage(rewards_PxG: jax.Array, *, delta: float, ddof: int,
   `std < zero_std_tol`, or too few responses for the ddof, are zero-variance
   and get A = 0 exactly.
   """
-  r_PxG = rewards_PxG.astype(jnp.float32)
-  num = r_PxG.shape[-1]
-  dev_PxG = r_PxG - jnp.mean(r_PxG, axis=-1, keepdims=True)
-  if num - ddof > 0:
-    std_P = jnp.sqrt(jnp.sum(dev_PxG * dev_PxG, axis=-1) / (num - ddof))
-  else:
-    std_P = jnp.zeros(r_PxG.shape[:-1], jnp.float32)
+  dev_PxG, std_P = group_deviation(rewards_PxG, ddof=ddof)
   zero_variance_P = std_P < zero_std_tol
   adv_PxG = jnp.where(zero_variance_P[:, None], 0.0, dev_PxG / (std_P[:, None] + delta))
   return adv_PxG, zero_variance_P
+
+
+def centred_advantage(rewards_PxG: jax.Array, *, ddof: int,
+                      zero_std_tol: float) -> tuple[jax.Array, jax.Array]:
+  """Dr. GRPO's unscaled advantage `A = r - mean(r)`: `(A_PxG, zero_variance_P)`.
+
+  No division by the std (Liu et al., 2025). Zero-variance groups (as in
+  `outcome_advantage`) get A = 0 exactly, not the mean's rounding residue.
+  """
+  dev_PxG, std_P = group_deviation(rewards_PxG, ddof=ddof)
+  zero_variance_P = std_P < zero_std_tol
+  return jnp.where(zero_variance_P[:, None], 0.0, dev_PxG), zero_variance_P
+
+
+def leave_one_out_advantage(rewards_PxG: jax.Array, *, ddof: int,
+                            zero_std_tol: float) -> tuple[jax.Array, jax.Array]:
+  """RLOO's advantage `A_i = r_i - mean_{j != i} r_j`: `(A_PxG, zero_variance_P)`.
+
+  Each response's baseline is the mean reward of the other G - 1 responses of
+  its group (Ahmadian et al., 2024). Zero-variance groups (as in
+  `outcome_advantage`; every group when G = 1) get A = 0 exactly.
+  """
+  r_PxG = rewards_PxG.astype(jnp.float32)
+  num = r_PxG.shape[-1]
+  _, std_P = group_deviation(r_PxG, ddof=ddof)
+  zero_variance_P = std_P < zero_std_tol
+  if num > 1:
+    others_PxG = (jnp.sum(r_PxG, axis=-1, keepdims=True) - r_PxG) / (num - 1)
+    adv_PxG = r_PxG - others_PxG
+  else:
+    adv_PxG = jnp.zeros_like(r_PxG)
+  return jnp.where(zero_variance_P[:, None], 0.0, adv_PxG), zero_variance_P
+
+
+def token_advantage(adv_PxG: jax.Array, mask_PxGxT: jax.Array) -> jax.Array:
+  """A response's advantage on each of its tokens, 0 on padding: `adv_PxGxT`."""
+  return jnp.where(mask_PxGxT, adv_PxG[..., None], 0.0)
 
 
 def entropy_gate(entropy_PxGxT: jax.Array, mask_PxGxT: jax.Array, *, gamma: float,
@@ -228,6 +280,26 @@ def final_advantage(outcome_token_PxGxT: jax.Array, progress_PxGxT: jax.Array,
   return jnp.where(mask_PxGxT, outcome_token_PxGxT + progress_PxGxT, 0.0)
 
 
+def advantage_inputs(rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The inputs of an advantage, checked and made constants: float32 stop-gradient arrays
+  and a bool mask (rewards [P, G], the others [P, G, T]); a shape mismatch is a ValueError."""
+  shape = entropy_PxGxT.shape
+  if len(shape) != 3 or rewards_PxG.shape != shape[:2]:
+    raise ValueError(f"advantages: rewards {rewards_PxG.shape} must be [P, G] of the "
+                     f"token arrays' [P, G, T] {shape}")
+  for name, arr in (("logp_old", logp_old_PxGxT), ("logp_ref", logp_ref_PxGxT),
+                    ("mask", mask_PxGxT)):
+    if arr.shape != shape:
+      raise ValueError(f"advantages: {name} has shape {arr.shape}, expected {shape}")
+  sg = lambda x: jax.lax.stop_gradient(jnp.asarray(x))
+  return (sg(rewards_PxG).astype(jnp.float32),
+          sg(entropy_PxGxT).astype(jnp.float32),
+          sg(logp_old_PxGxT).astype(jnp.float32),
+          sg(logp_ref_PxGxT).astype(jnp.float32),
+          sg(mask_PxGxT).astype(bool))
+
+
 def compute_advantages(rewards_PxG: jax.Array, entropy_PxGxT: jax.Array, logp_old_PxGxT: jax.Array,
                        logp_ref_PxGxT: jax.Array, mask_PxGxT: jax.Array,
                        cfg: AdvantageConfig = AdvantageConfig()) -> tuple[jax.Array, Components]:
@@ -239,20 +311,9 @@ def compute_advantages(rewards_PxG: jax.Array, entropy_PxGxT: jax.Array, logp_ol
   (see `compute_advantages_jit`). With every switch off the result is GRPO's
   A_i on every response token.
   """
+  rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT = advantage_inputs(
+      rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT)
   shape = entropy_PxGxT.shape
-  if len(shape) != 3 or rewards_PxG.shape != shape[:2]:
-    raise ValueError(f"advantages: rewards {rewards_PxG.shape} must be [P, G] of the "
-                     f"token arrays' [P, G, T] {shape}")
-  for name, arr in (("logp_old", logp_old_PxGxT), ("logp_ref", logp_ref_PxGxT),
-                    ("mask", mask_PxGxT)):
-    if arr.shape != shape:
-      raise ValueError(f"advantages: {name} has shape {arr.shape}, expected {shape}")
-  sg = lambda x: jax.lax.stop_gradient(jnp.asarray(x))
-  rewards_PxG = sg(rewards_PxG).astype(jnp.float32)
-  entropy_PxGxT = sg(entropy_PxGxT).astype(jnp.float32)
-  logp_old_PxGxT = sg(logp_old_PxGxT).astype(jnp.float32)
-  logp_ref_PxGxT = sg(logp_ref_PxGxT).astype(jnp.float32)
-  mask_PxGxT = sg(mask_PxGxT).astype(bool)
 
   outcome_PxG, zero_variance_P = outcome_advantage(
       rewards_PxG, delta=cfg.delta, ddof=cfg.std_ddof, zero_std_tol=cfg.zero_std_tol)

@@ -63,6 +63,9 @@ def variant_config(variant: Variant, overrides: Sequence[str] = (),
                              default_base="default.yaml")
   cfg = configlib.build(TrainConfig, configlib.deep_merge(data, configlib.parse_overrides(
       list(overrides))))
+  if cfg.advantage.estimator != "epgrpo":  # the switches below are the epgrpo estimator's
+    raise configlib.ConfigError(f"{variant.config}: advantage.estimator is "
+                                f"{cfg.advantage.estimator!r}; {variant.label} is 'epgrpo'")
   want = ADVANTAGE_VARIANTS[variant.advantage]
   got = {k: getattr(cfg.advantage, k) for k in want}
   if want["progress_signal"] is False:  # the anchor is unused without the progress signal

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from epgrpo_jax import estimators
 from epgrpo_jax.io import catalog
 from epgrpo_jax.io import configlib
 from epgrpo_jax.core.advantages import AdvantageConfig
@@ -262,6 +263,7 @@ class TrainConfig:
   embedded: EmbeddedConfig = EmbeddedConfig()
 
   def __post_init__(self):
+    estimators.lookup(self.advantage.estimator)  # a known name, else exit 2 naming the key
     if self.train.num_generations < 2:
       raise UserError(f"train.num_generations: GRPO-family advantages need G >= 2 responses per "
                        f"prompt, got {self.train.num_generations}")
