@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from epgrpo_jax import estimators
 from epgrpo_jax.core.advantages import AdvantageConfig, Components, compute_advantages
+from epgrpo_jax.experiments.variants import BY_NAME, variant_config
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.parallel.sharding import make_mesh
 from epgrpo_jax.training.advantage_program import AdvantageProgram
@@ -198,3 +199,10 @@ def test_builtin_estimators_run_in_the_advantage_program(name):
   want = estimate_jit(*batch(num_p=8), cfg=cfg)
   chex.assert_trees_all_close(jax.device_get((adv, parts, metrics)), jax.device_get(want),
                               rtol=1e-6, atol=1e-7)
+
+
+def test_a_comparison_row_runs_the_epgrpo_estimator():
+  row = BY_NAME["grpo"]
+  assert variant_config(row).advantage.estimator == "epgrpo"
+  with pytest.raises(UserError, match=r"^grpo\.yaml: advantage\.estimator is 'rloo'; GRPO is"):
+    variant_config(row, ["advantage.estimator=rloo"])

@@ -1,7 +1,10 @@
 """What the estimators share: the `ep/*` diagnostics of any token advantage, and the parts and
-metrics of an estimator that gives each response one advantage (no gate, no progress)."""
+metrics of an estimator that gives each response one advantage (no gate, no progress):
+`per_response`."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,3 +44,14 @@ def response_estimate(outcome_PxG: jax.Array, zero_variance_P: jax.Array, mask_P
       bucket=jnp.zeros(mask_PxGxT.shape, jnp.int32), progress=zeros_PxGxT,
       zero_variance=zero_variance_P)
   return adv_PxGxT, parts, outcome_metrics(adv_PxGxT, adv_PxGxT, zero_variance_P, mask_PxGxT)
+
+
+def per_response(fn):
+  """The estimator of `fn(rewards_PxG, cfg) -> (A_PxG, zero_variance_P)`: A_i on every token of
+  response i, with the parts and metrics of `response_estimate`."""
+
+  @functools.wraps(fn)
+  def estimator(rewards_PxG, entropy_PxGxT, logp_old_PxGxT, logp_ref_PxGxT, mask_PxGxT, cfg):
+    return response_estimate(*fn(rewards_PxG, cfg), mask_PxGxT)
+
+  return estimator
