@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from epgrpo_jax.models import LoraConfig, ModelConfig, Qwen2, preset, save_pretrained
+from epgrpo_jax.models import CausalLM, LoraConfig, ModelConfig, abstract_model, preset, save_pretrained
 from epgrpo_jax.models._hf_io import TOKENIZER_FILES
 
 # The real Qwen2.5 tokenizer (fixture `qwen_tokenizer_dir` of tests/conftest.py); its ids
@@ -25,7 +25,7 @@ def tiny_config(**overrides) -> ModelConfig:
   return preset("test-tiny", **overrides)
 
 
-def randomize(model: Qwen2, seed: int = 0, std: float = 0.2, lora_std: float = 0.2) -> Qwen2:
+def randomize(model: CausalLM, seed: int = 0, std: float = 0.2, lora_std: float = 0.2) -> CausalLM:
   """Fills every parameter with random numpy values in place (biases, norms, LoRA included).
 
   Norm weights become 1 + noise. With `lora_std=0` the adapters get their
@@ -50,10 +50,11 @@ def randomize(model: Qwen2, seed: int = 0, std: float = 0.2, lora_std: float = 0
 
 
 def random_model(cfg: ModelConfig | None = None, *, lora: LoraConfig | None = None,
-                 seed: int = 0, lora_std: float = 0.2) -> Qwen2:
-  """A Qwen2 with every parameter random (default config: `test-tiny`), built without jax RNG."""
+                 seed: int = 0, lora_std: float = 0.2) -> CausalLM:
+  """A model of `cfg`'s family (default: the `test-tiny` Qwen2) with every parameter random,
+  built without jax RNG."""
   cfg = cfg or tiny_config()
-  model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(seed)))
+  model = abstract_model(cfg, lora, seed)
   return randomize(model, seed, lora_std=lora_std)
 
 

@@ -129,3 +129,26 @@ def test_the_import_graph_has_no_cycle():
         module_graph[name].add(dst)
   _assert_acyclic(packages)
   _assert_acyclic(module_graph)
+
+
+# A model family's package (models/<family>/, docs/architecture.md) holds the model's math and
+# tables only: no backend kernels, and nothing of the engines or the training above it.
+FAMILY_MAY_NOT_IMPORT = ("kernels", "rollout", "supervised", "training")
+
+
+def family_packages() -> list[str]:
+  return sorted(p.name for p in (PACKAGE / "models").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists() and not p.name.startswith("_"))
+
+
+def test_model_families_import_no_kernels_or_engines():
+  assert "qwen2" in family_packages()
+  bad = []
+  for name, path in modules().items():
+    parts = name.split(".")
+    if len(parts) < 2 or parts[0] != "models" or parts[1] not in family_packages():
+      continue
+    for line, target, _ in imports(path):
+      if target.split(".")[0] in FAMILY_MAY_NOT_IMPORT:
+        bad.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+  assert not bad, "\n".join(bad)

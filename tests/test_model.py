@@ -28,10 +28,11 @@ from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.models import _lora
 from epgrpo_jax.models._lora import (Linear, folds_adapters, fused, low_rank, matmul,
                                      merged_lora, one_device_program)
-from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, encode_prompts,
-                               from_pretrained, hf_state_dict, init_cache, load_hf_config,
-                               load_tokenizer, lora_layers, merge_lora, preset, render_prompt,
-                               rope, rope_table, save_pretrained, stop_token_ids, unmerge_lora)
+from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, config_from_hf,
+                               config_to_hf, encode_prompts, from_pretrained, hf_state_dict, init_cache,
+                               load_hf_config, load_tokenizer, lora_layers, merge_lora, param_rules,
+                               preset, render_prompt, rope, rope_table, save_pretrained, stop_token_ids,
+                               unmerge_lora)
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
 from helpers import random_model, tiny_config, tiny_hf_dir, torch_logits
 
@@ -156,7 +157,7 @@ def test_parity_ours_saved_hf_loads(name, tmp_path):
 def test_parity_hf_saved_ours_loads(name, tmp_path):
   cfg = tiny_config(**PARITY_CONFIGS[name])
   torch.manual_seed(5)
-  hf_cfg = transformers.Qwen2Config(**cfg.to_hf())
+  hf_cfg = transformers.Qwen2Config(**config_to_hf(cfg))
   torch_model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
   with torch.no_grad():  # every tensor random, biases and norms included
     for pname, p in torch_model.named_parameters():
@@ -170,8 +171,8 @@ def test_parity_hf_saved_ours_loads(name, tmp_path):
 
 def test_config_round_trip_and_rejections():
   cfg = tiny_config(head_dim=12, rope_theta=5e5, tie_word_embeddings=True, eos_token_id=(1, 2))
-  assert type(cfg).from_hf(cfg.to_hf()) == cfg
-  hf_cfg = transformers.Qwen2Config(**cfg.to_hf())
+  assert config_from_hf(config_to_hf(cfg)) == cfg
+  hf_cfg = transformers.Qwen2Config(**config_to_hf(cfg))
   assert hf_cfg.head_dim == 12 and hf_cfg.rope_parameters["rope_theta"] == 5e5
   for bad, match in (({"model_type": "llama"}, "model_type"),
                      ({"use_sliding_window": True}, "sliding"),
@@ -179,7 +180,7 @@ def test_config_round_trip_and_rejections():
                      ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
                      ({"hidden_act": "gelu"}, "hidden_act")):
     with pytest.raises(ValueError, match=match):
-      type(cfg).from_hf(cfg.to_hf() | bad)
+      config_from_hf(config_to_hf(cfg) | bad)
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -441,7 +442,7 @@ def test_mesh_placement(tmp_path):
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, value = ".".join(map(str, path)), var.get_value()
     assert value.sharding.mesh.shape == mesh.shape, name
-    assert value.sharding.spec == param_sharding(name, value.shape, mesh).spec, name
+    assert value.sharding.spec == param_sharding(name, value.shape, mesh, param_rules(model.cfg)).spec, name
     specs[name] = value.sharding.spec
   assert specs["embed"] == P("tensor", "fsdp")
   assert specs["lm_head"] == P("fsdp", "tensor")

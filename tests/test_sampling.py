@@ -13,7 +13,7 @@ from flax import nnx
 from scipy import stats
 
 from epgrpo_jax.rollout import sampling, strategies
-from epgrpo_jax.models import LORA, LoraConfig, Qwen2, lora_layers, preset
+from epgrpo_jax.models import LORA, LoraConfig, Qwen2, lora_layers, param_rules, preset
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig, bucket
 from epgrpo_jax.rollout.strategies import sample_step
 
@@ -380,7 +380,7 @@ def test_sharded_sampling_matches_single_device(model, greedy_sampler, caplog):
   from epgrpo_jax.parallel import sharding
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
   graphdef, state = nnx.split(model)
-  state = jax.device_put(state, sharding.state_shardings(state, mesh))
+  state = jax.device_put(state, sharding.state_shardings(state, mesh, param_rules(model.cfg)))
   sharded = Sampler(greedy_sampler.config, eos_ids=(-5,), mesh=mesh)
   with caplog.at_level("INFO", logger="epgrpo_jax.rollout.sampling"):
     got = sharded.sample((graphdef, state), PROMPTS, 2, jax.random.key(0))

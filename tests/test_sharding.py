@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.training.config import TrainConfig
-from epgrpo_jax.models import from_pretrained, save_pretrained
+from epgrpo_jax.models import from_pretrained, param_rules, preset, save_pretrained
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
 from epgrpo_jax.tasks import arithmetic
@@ -221,7 +221,7 @@ def test_parameters_and_optimizer_state_are_sharded_as_declared(sharded):
   arrays = got["arrays"]
   mesh = jax.tree.leaves(arrays["frozen"])[0].sharding.mesh
   for name in ("trainable", "opt_state", "frozen"):
-    declared = _specs(sharding.state_shardings(arrays[name], mesh))
+    declared = _specs(sharding.state_shardings(arrays[name], mesh, param_rules(preset("test-tiny"))))
     actual = _specs(arrays[name])
     assert declared.keys() == actual.keys()
     for path, spec in declared.items():
@@ -266,7 +266,7 @@ def test_mesh_config_fills_the_free_axis_and_rejects_mismatches():
 
 def test_declared_specs_for_cache_and_batches():
   """KV cache: rows over data x fsdp, KV heads over tensor; indivisible dimensions replicate."""
-  from epgrpo_jax.models import init_cache, preset
+  from epgrpo_jax.models import init_cache
   mesh = make_mesh(MeshConfig(2, 2, 2))
   cache = jax.eval_shape(lambda: init_cache(preset("test-tiny"), 8, 32))
   specs = sharding.cache_shardings(cache, mesh)
@@ -277,8 +277,9 @@ def test_declared_specs_for_cache_and_batches():
   assert sharding.batch_sharding(mesh, 2).spec == P(("data", "fsdp"), None)
   assert sharding.leading_sharding(mesh, (6, 3)).spec == P(None)  # 4 shards do not divide 6
   # Vocabulary 97 is prime: the embedding stays whole along it, split over fsdp along D.
-  assert sharding.param_sharding("embed", (97, 32), mesh).spec == P(None, "fsdp")
-  assert sharding.param_sharding("unknown.weight", (4, 4), mesh).spec == P()
+  rules = param_rules(preset("test-tiny"))
+  assert sharding.param_sharding("embed", (97, 32), mesh, rules).spec == P(None, "fsdp")
+  assert sharding.param_sharding("unknown.weight", (4, 4), mesh, rules).spec == P()
 
 
 def test_sharded_rematerialised_update_matches_plain_update():

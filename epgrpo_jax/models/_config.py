@@ -1,14 +1,15 @@
-"""Qwen2 model and LoRA configuration: one frozen dataclass each, with presets."""
+"""Model and LoRA configuration: one frozen dataclass each, with presets. The mapping to and from
+an HF config.json is the family's (`models.registry.config_from_hf` / `config_to_hf`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax.numpy as jnp
 
 from epgrpo_jax.io.errors import UserError
 
+# Every projection of the shared decoder (`models/_decoder.py`): the default adapter targets. A
+# family declares which it supports (`registry.Family.lora_targets`), checked when it is built.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 ATTENTION = ("auto", "plain", "blockwise", "cudnn", "cpu")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -23,7 +24,7 @@ def as_dtype(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and numerics of a Qwen2-architecture decoder (HF `Qwen2Config` names)."""
+  """Shapes and numerics of a decoder; `model_type` (config.json's) names its family."""
 
   vocab_size: int
   hidden_size: int
@@ -47,6 +48,7 @@ class ModelConfig:
   attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
   attention_segments: int = 16  # cuDNN without a mask array: the most sequences in one row
+  model_type: str = "qwen2"  # the family (`models.registry`)
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -81,91 +83,6 @@ class ModelConfig:
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
-
-  @classmethod
-  def from_hf(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
-    """Builds a config from the dict of an HF `config.json`."""
-    model_type = hf.get("model_type")
-    if model_type not in ("qwen2", None):
-      raise UserError(f"model_type: unsupported {model_type!r} (only 'qwen2')")
-    if hf.get("use_sliding_window"):
-      raise UserError("use_sliding_window: sliding-window attention is not supported")
-    if hf.get("rope_scaling"):
-      raise UserError("rope_scaling: scaled rotary embeddings are not supported")
-    rope_params = hf.get("rope_parameters") or {}  # transformers >= 5 layout
-    rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-    if rope_type != "default":
-      raise UserError(f"rope_parameters.rope_type: {rope_type!r} is not supported (only 'default')")
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-      raise UserError(f"hidden_act: unsupported {act!r} (only 'silu')")
-    # transformers' Qwen2Config default is 10000 when neither key is present.
-    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    try:
-      kw = dict(
-          vocab_size=hf["vocab_size"],
-          hidden_size=hf["hidden_size"],
-          intermediate_size=hf["intermediate_size"],
-          num_layers=hf["num_hidden_layers"],
-          num_heads=hf["num_attention_heads"],
-          num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-          head_dim=hf.get("head_dim") or 0,
-          rope_theta=float(theta),
-          rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-          max_position_embeddings=hf.get("max_position_embeddings", 32768),
-          bos_token_id=hf.get("bos_token_id"),
-          eos_token_id=hf.get("eos_token_id"),
-      )
-    except KeyError as e:
-      raise UserError(f"config.json: missing key {e.args[0]!r}") from None
-    except (TypeError, ValueError):
-      raise UserError(f"rope_theta, rms_norm_eps: must be numbers, got {theta!r}, "
-                      f"{hf.get('rms_norm_eps')!r}") from None
-    hf_keys = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-               "num_kv_heads": "num_key_value_heads"}
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "max_position_embeddings"):
-      if not isinstance(kw[name], int) or isinstance(kw[name], bool):
-        raise UserError(f"{hf_keys.get(name, name)}: expected an integer, got {kw[name]!r}")
-    for name in ("bos_token_id", "eos_token_id"):
-      ids = kw[name] if isinstance(kw[name], list) else [kw[name]]
-      if not all(i is None or (isinstance(i, int) and not isinstance(i, bool)) for i in ids):
-        raise UserError(f"{name}: expected an integer or a list of integers, got {kw[name]!r}")
-    kw.update(overrides)
-    return cls(**kw)
-
-  def to_hf(self) -> dict[str, Any]:
-    """The HF `config.json` dict for this config (float32 or bfloat16 weights)."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size,
-        "num_hidden_layers": self.num_layers,
-        "num_attention_heads": self.num_heads,
-        "num_key_value_heads": self.num_kv_heads,
-        "head_dim": self.head_dim,
-        "hidden_act": "silu",
-        "rope_theta": self.rope_theta,
-        "rms_norm_eps": self.rms_norm_eps,
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "max_position_embeddings": self.max_position_embeddings,
-        "bos_token_id": self.bos_token_id,
-        "eos_token_id": (list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-                         else self.eos_token_id),
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": self.num_layers,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-        "torch_dtype": self.param_dtype,  # older transformers and vLLM
-        "dtype": self.param_dtype,  # transformers >= 5
-    }
 
 
 def _qwen25(hidden, inter, layers, heads, kv, vocab, tied, max_pos=32768):

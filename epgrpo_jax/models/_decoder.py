@@ -1,4 +1,5 @@
-"""Qwen2 decoder in Flax NNX, with a preallocated KV cache (a plain pytree).
+"""The shared decoder-only transformer (the Qwen2 architecture) in Flax NNX, which the model
+families (`models/<family>/`) build on, with a preallocated KV cache (a plain pytree).
 
 Shape suffixes: B batch, T new tokens, S cache slots, D hidden, H query heads,
 K key/value heads, Hd head dim, F intermediate, V vocabulary, L layers.
@@ -26,8 +27,8 @@ from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel.platform import backend
 from epgrpo_jax.models._lora import Linear, fused, fused_product, runs_cpu_kernels
+from epgrpo_jax.models.interface import Cache
 
-Cache = dict  # {"k": [L x BxKxHdxS], "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar}
 _ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "activation_constraint", default=None)
 
@@ -159,7 +160,7 @@ def rope_cos_sin(positions_BxT, head_dim: int, theta: float) -> tuple[jax.Array,
 
 
 def rope_table(cfg: ModelConfig, length: int) -> tuple[jax.Array, jax.Array]:
-  """`rope_cos_sin` of positions 0..length-1 as [length, Hd] tables, for `Qwen2(rope_table=...)`.
+  """`rope_cos_sin` of positions 0..length-1 as [length, Hd] tables, for `Decoder(rope_table=...)`.
 
   A decode loop computes it once outside the loop: XLA:CPU fuses cos and sin into
   their consumers and there evaluates them once per head, which cost about a tenth
@@ -325,8 +326,8 @@ class Block(nnx.Module):
     return x, k, v
 
 
-class Qwen2(nnx.Module):
-  """Qwen2 causal LM. `__call__` returns final-norm hidden states; `logits` applies the head."""
+class Decoder(nnx.Module):
+  """A decoder-only causal LM (`models.interface.CausalLM`); families subclass it. `__call__` returns final-norm hidden states; `logits` applies the head."""
 
   def __init__(self, cfg: ModelConfig, *, lora: LoraConfig | None = None, rngs: nnx.Rngs):
     pdt = as_dtype(cfg.param_dtype)

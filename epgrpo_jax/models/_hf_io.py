@@ -1,6 +1,7 @@
-"""Hugging Face checkpoint directories <-> the NNX Qwen2 model, without torch.
+"""Hugging Face checkpoint directories <-> the NNX models of every registered family, without torch.
 
-One table maps HF tensor names to NNX parameter paths. Loading reads one tensor
+config.json's `model_type` picks the family (`models.registry`), whose table maps HF tensor
+names to NNX parameter paths. Loading reads one tensor
 at a time from (possibly sharded) safetensors and places it straight into its
 target sharding; saving folds LoRA adapters into the base weights.
 """
@@ -26,47 +27,12 @@ from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.parallel import distributed, sharding
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._lora import Linear
-from epgrpo_jax.models._decoder import Qwen2
+from epgrpo_jax.models.interface import CausalLM
+from epgrpo_jax.models.registry import Family, abstract_model, config_from_hf, family
 
-# HF name (regex, full match) -> NNX path template; `T`: HF stores [out, in], we store [in, out].
-HF_TO_NNX: tuple[tuple[str, str, bool], ...] = (
-    (r"model\.embed_tokens\.weight", "embed", False),
-    (r"lm_head\.weight", "lm_head", True),
-    (r"model\.norm\.weight", "final_norm.weight", False),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.input_norm.weight", False),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.{0}.post_attn_norm.weight", False),
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.weight", "layers.{0}.attn.{1}.kernel", True),
-    (r"model\.layers\.(\d+)\.self_attn\.(q|k|v)_proj\.bias", "layers.{0}.attn.{1}.bias", False),
-    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}.kernel", True),
-)
-# Tensors some exporters add that carry nothing we need.
-_IGNORED = (r".*rotary_emb\.inv_freq",)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
                    "chat_template.jinja", "chat_template.json")
-
-
-def hf_to_nnx(name: str) -> tuple[str, bool] | None:
-  """The NNX path of an HF tensor name and whether it is transposed; None if unknown."""
-  for pattern, template, transpose in HF_TO_NNX:
-    m = re.fullmatch(pattern, name)
-    if m:
-      return template.format(*m.groups()), transpose
-  return None
-
-
-def nnx_to_hf(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-  """Every HF tensor name this config has -> (NNX path, transposed)."""
-  names = ["model.embed_tokens.weight", "model.norm.weight"]
-  if not cfg.tie_word_embeddings:
-    names.append("lm_head.weight")
-  for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-    names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
-  return {n: hf_to_nnx(n) for n in names}
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
@@ -101,15 +67,15 @@ def load_hf_config(directory: str | Path, **overrides) -> ModelConfig:
   if not isinstance(hf, dict):
     raise UserError(f"{path}: expected a JSON object, got {type(hf).__name__}")
   try:
-    return ModelConfig.from_hf(hf, **overrides)
+    return config_from_hf(hf, **overrides)
   except ValueError as e:
     raise UserError(f"{path}: {e}") from None
 
 
 def from_pretrained(directory: str | Path, *, dtype: str | None = None,
                     param_dtype: str | None = None, lora: LoraConfig | None = None,
-                    mesh: jax.sharding.Mesh | None = None, seed: int = 0) -> Qwen2:
-  """Loads a Qwen2 HF directory (config.json + safetensors) into the NNX model.
+                    mesh: jax.sharding.Mesh | None = None, seed: int = 0) -> CausalLM:
+  """Loads an HF directory (config.json + safetensors) into the NNX model of its family.
 
   `dtype` is the compute dtype, `param_dtype` the base-weight dtype (default:
   float32). LoRA adapters, when requested, are freshly initialised (B = 0).
@@ -118,14 +84,16 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
   directory = Path(directory)
   overrides = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
   cfg = load_hf_config(directory, **overrides)
+  fam = family(cfg.model_type)
+  fam.check_lora(lora)
   files = _tensor_files(directory)
-  model = nnx.eval_shape(lambda: Qwen2(cfg, lora=lora, rngs=nnx.Rngs(seed)))
-  expected = nnx_to_hf(cfg)
+  model = abstract_model(cfg, lora, seed)
+  expected = fam.nnx_to_hf(cfg)
   missing = [n for n in expected if n not in files]
   if missing:
     raise UserError(f"{directory}: tensor {missing[0]!r} missing from the checkpoint"
                      + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-  unknown = [n for n in files if n not in expected and not any(re.fullmatch(p, n) for p in _IGNORED)
+  unknown = [n for n in files if n not in expected and not any(re.fullmatch(p, n) for p in fam.ignored)
              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
   if unknown:
     raise UserError(f"{files[unknown[0]]}: unexpected tensor {unknown[0]!r} for this config")
@@ -153,7 +121,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
       if tuple(array.shape) != tuple(var.shape):
         raise UserError(f"{fname}: tensor {name!r} has shape {tuple(array.shape)}, "
                          f"config.json implies {tuple(var.shape)}")
-      var.set_value(_place(np.asarray(array).astype(pdt), path, mesh))
+      var.set_value(_place(np.asarray(array).astype(pdt), path, mesh, fam))
   finally:
     for h in handles.values():
       h.__exit__(None, None, None)
@@ -169,15 +137,15 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
       init = np.zeros(var.shape, np.float32)
     else:
       continue
-    var.set_value(_place(init, path, mesh))
+    var.set_value(_place(init, path, mesh, fam))
   return model
 
 
-def _place(array, path: str, mesh):
+def _place(array, path: str, mesh, fam: Family):
   if mesh is None:
     return jnp.asarray(array)
   # Every process holds the whole tensor: no collective.
-  return distributed.put(array, sharding.param_sharding(path, array.shape, mesh))
+  return distributed.put(array, sharding.param_sharding(path, array.shape, mesh, fam.param_rules()))
 
 
 def _to_host(array) -> np.ndarray:
@@ -230,7 +198,7 @@ def _swap_in(new: Path, directory: Path) -> None:
   shutil.rmtree(old)
 
 
-def hf_state_dict(model: Qwen2, dtype: str = "float32") -> dict[str, np.ndarray]:
+def hf_state_dict(model: CausalLM, dtype: str = "float32") -> dict[str, np.ndarray]:
   """HF-named numpy tensors with LoRA merged into the base weights."""
   out_dtype = np.dtype(as_dtype(dtype))
   flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(model))}
@@ -239,14 +207,14 @@ def hf_state_dict(model: Qwen2, dtype: str = "float32") -> dict[str, np.ndarray]
     if isinstance(node, Linear):
       linears[".".join(map(str, path)) + ".kernel"] = node
   tensors = {}
-  for name, (path, transpose) in nnx_to_hf(model.cfg).items():
+  for name, (path, transpose) in family(model.cfg.model_type).nnx_to_hf(model.cfg).items():
     array = linears[path].merged_kernel() if path in linears else flat[path][...]
     array = _to_host(array).astype(out_dtype)
     tensors[name] = np.ascontiguousarray(array.T if transpose else array)
   return tensors
 
 
-def save_pretrained(model: Qwen2, directory: str | Path, *, tokenizer_dir: str | Path | None = None,
+def save_pretrained(model: CausalLM, directory: str | Path, *, tokenizer_dir: str | Path | None = None,
                     tokenizer=None, dtype: str = "float32", max_shard_bytes: int | None = None) -> Path:
   """Writes an HF directory transformers and vLLM load: config.json, safetensors, tokenizer.
 
@@ -268,7 +236,7 @@ def save_pretrained(model: Qwen2, directory: str | Path, *, tokenizer_dir: str |
   directory = final.with_name(f".{final.name}.tmp-{os.getpid()}")
   shutil.rmtree(directory, ignore_errors=True)
   directory.mkdir()
-  config = model.cfg.to_hf() | {"torch_dtype": dtype, "dtype": dtype}
+  config = family(model.cfg.model_type).config_to_hf(model.cfg) | {"torch_dtype": dtype, "dtype": dtype}
   (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
   if max_shard_bytes is None:
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})

@@ -1,8 +1,8 @@
 """Device mesh and partition rules: every array the project holds, declared here.
 
 Parameters are named by their NNX path (e.g. `layers.3.attn.q.kernel`); a table
-of path patterns gives each one logical axes, and `LOGICAL_RULES` maps logical
-axes onto the mesh axes `data`, `fsdp`, `tensor`. A dimension that the mesh
+of path patterns (the model family's, passed in) gives each one logical axes, and
+`LOGICAL_RULES` maps logical axes onto the mesh axes `data`, `fsdp`, `tensor`. A dimension that the mesh
 axis does not divide is replicated instead.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -36,25 +36,9 @@ LOGICAL_RULES: dict[str, Any] = {
     "seq": None,
 }
 
-# NNX parameter path (regex, full match) -> logical axes of the array.
-PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"embed", ("vocab", "embed")),
-    (r"lm_head", ("embed", "vocab")),
-    (r".*norm\.weight", ("norm",)),
-    (r".*attn\.(q|k|v)\.kernel", ("embed", "heads")),
-    (r".*attn\.(q|k|v)\.bias", ("heads",)),
-    (r".*attn\.o\.kernel", ("heads", "embed")),
-    (r".*mlp\.(gate|up)\.kernel", ("embed", "mlp")),
-    (r".*mlp\.down\.kernel", ("mlp", "embed")),
-    (r".*attn\.(q|k|v)\.lora_a", ("embed", "rank")),
-    (r".*attn\.(q|k|v)\.lora_b", ("rank", "heads")),
-    (r".*attn\.o\.lora_a", ("heads", "rank")),
-    (r".*attn\.o\.lora_b", ("rank", "embed")),
-    (r".*mlp\.(gate|up)\.lora_a", ("embed", "rank")),
-    (r".*mlp\.(gate|up)\.lora_b", ("rank", "mlp")),
-    (r".*mlp\.down\.lora_a", ("mlp", "rank")),
-    (r".*mlp\.down\.lora_b", ("rank", "embed")),
-)
+# A table of parameter rules: NNX path (regex, full match) -> logical axes of the array. The
+# model family supplies it (`models.registry.param_rules`); the first matching row wins.
+Rules = Sequence[tuple[str, tuple[str | None, ...]]]
 
 # Cache leaves (models.init_cache): keys [B, K, Hd, S], values [B, K, S, Hd].
 CACHE_AXES = {"k": ("batch", "kv_heads", "head_dim", "slots"),
@@ -117,16 +101,17 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -
   return P(*out)
 
 
-def param_axes(path: str) -> tuple[str | None, ...] | None:
-  for pattern, axes in PARAM_AXES:
+def param_axes(path: str, rules: Rules) -> tuple[str | None, ...] | None:
+  """The logical axes of the parameter at `path` by the first matching row of `rules`."""
+  for pattern, axes in rules:
     if re.fullmatch(pattern, path):
       return axes
   return None
 
 
-def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:
+def param_sharding(path: str, shape: tuple[int, ...], mesh: Mesh, rules: Rules) -> NamedSharding:
   """The sharding of the parameter at NNX path `path` (replicated when unknown)."""
-  axes = param_axes(path)
+  axes = param_axes(path, rules)
   if axes is None or len(axes) != len(shape):
     return NamedSharding(mesh, P())
   return NamedSharding(mesh, spec_for(axes, shape, mesh))
@@ -141,8 +126,9 @@ def path_str(path) -> str:
   return ".".join(p for p in parts if p != "value")
 
 
-def state_shardings(state, mesh: Mesh):
-  """A pytree of NamedShardings matching an NNX state (parameters or optimizer state).
+def state_shardings(state, mesh: Mesh, rules: Rules):
+  """A pytree of NamedShardings matching an NNX state (parameters or optimizer state), by the
+  parameter `rules`.
 
   Optimizer moments mirror their parameter's path as a suffix, so they are
   matched by the longest parameter-pattern suffix of their path.
@@ -152,7 +138,7 @@ def state_shardings(state, mesh: Mesh):
     name = path_str(path)
     parts = name.split(".")
     for i in range(len(parts)):
-      axes = param_axes(".".join(parts[i:]))
+      axes = param_axes(".".join(parts[i:]), rules)
       if axes is not None and len(axes) == len(shape):
         return NamedSharding(mesh, spec_for(axes, shape, mesh))
     return NamedSharding(mesh, P())

@@ -18,7 +18,7 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models import Qwen2, as_dtype, dense_products, matmul, merge_lora
+from epgrpo_jax.models import CausalLM, as_dtype, dense_products, matmul, merge_lora
 from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
 
 
@@ -87,7 +87,7 @@ def token_keys(keys_B: jax.Array, t) -> jax.Array:
 # Weights prepared once per call, outside the decode loop.
 
 
-def _group_weights(model: Qwen2) -> list[list[jax.Array] | None]:
+def _group_weights(model: CausalLM) -> list[list[jax.Array] | None]:
   """Each projection group's kernels in the compute dtype; None for a group with unmerged
   adapters (it runs its layers one by one)."""
   dtype = as_dtype(model.cfg.dtype)
@@ -95,7 +95,7 @@ def _group_weights(model: Qwen2) -> list[list[jax.Array] | None]:
           else [layer.kernel[...].astype(dtype) for layer in group] for group in model.linear_groups()]
 
 
-def prepared_weights(model: Qwen2, packing: cpu_kernels.Packing | None) -> dict:
+def prepared_weights(model: CausalLM, packing: cpu_kernels.Packing | None) -> dict:
   """The weights the decode steps multiply by, made once: each projection group's kernels
   concatenated (q/k/v, gate/up) in the compute dtype, or packed by `packing` where it takes
   them; the head packed where it takes it (else None)."""
@@ -109,7 +109,7 @@ def prepared_weights(model: Qwen2, packing: cpu_kernels.Packing | None) -> dict:
           "head": packing.pack([head_DxV]) if packing and packing.can_pack([head_DxV]) else None}
 
 
-def products(model: Qwen2, packing: cpu_kernels.Packing | None, weights: dict) -> tuple[dict, Callable]:
+def products(model: CausalLM, packing: cpu_kernels.Packing | None, weights: dict) -> tuple[dict, Callable]:
   """(`dense_products` table, hidden [B, D] -> float32 logits) over `prepared_weights`, so the
   loop body multiplies by ready weights instead of preparing them at every step."""
   table = {}
@@ -124,9 +124,9 @@ def products(model: Qwen2, packing: cpu_kernels.Packing | None, weights: dict) -
   return table, functools.partial(jnp.dot, b=model.head_DxV(), preferred_element_type=jnp.float32)
 
 
-def _merged(graphdef, state, cfg, packed: bool) -> tuple[Qwen2, cpu_kernels.Packing | None]:
+def _merged(graphdef, state, cfg, packed: bool) -> tuple[CausalLM, cpu_kernels.Packing | None]:
   """The model, adapters merged when `cfg.merge_lora`, and its packing with `packed`."""
-  model: Qwen2 = nnx.merge(graphdef, state)
+  model: CausalLM = nnx.merge(graphdef, state)
   if cfg.merge_lora:
     merge_lora(model)  # in this trace only: the caller's state is untouched
   return model, cpu_kernels.packing_for(as_dtype(model.cfg.dtype)) if packed else None

@@ -31,7 +31,7 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import Qwen2, as_dtype, decode_kernel, init_cache, rope_table
+from epgrpo_jax.models import CausalLM, as_dtype, decode_kernel, init_cache, rope_table
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
@@ -179,9 +179,9 @@ class _Loop:
 
 
 class Sampler:
-  """Samples G completions per prompt from a Qwen2 model, one compilation per shape.
+  """Samples G completions per prompt from a causal LM (`models.CausalLM`), one compilation per shape.
 
-  The model comes in as a `Qwen2` or `(graphdef, state)`; the state is an
+  The model comes in as a `CausalLM` or `(graphdef, state)`; the state is an
   argument of the compiled program, so new weights (a LoRA update) do not
   recompile. `num_compilations` counts compiled programs; each is logged.
   """
@@ -374,7 +374,7 @@ class Sampler:
         last_B=tokens_B,
         positions_B=loop.positions_B + 1)
 
-  def _prefill(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
+  def _prefill(self, model: CausalLM, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
                num_samples: int, gen_len: int, choose: Callable) -> tuple[_Loop, jax.Array]:
     """Prefills each prompt once into a cache with room for the first decode segment, gives
     each of its G rows a copy (every cache leaf but the scalar index has batch first) and
@@ -404,7 +404,7 @@ class Sampler:
         cache=self._constrain_cache(cache))
     return self._emit(loop, *choose(token_keys(keys_B, 0), logits_BxV), caps_B, eos_E), keys_B
 
-  def _step(self, model: Qwen2, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
+  def _step(self, model: CausalLM, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
             choose: Callable) -> _Loop:
     """One decode step of every row: the model over its last token with the cache, then the
     next token (row b's key `fold_in(keys_B[b], step)`). `rope_SxHd`: the `rope_table` of the
@@ -416,14 +416,14 @@ class Sampler:
     return self._emit(loop, *choose(token_keys(keys_B, loop.step), logits_of(hidden_Bx1xD[:, 0])),
                       caps_B, eos_E)
 
-  def _block(self, model: Qwen2, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
+  def _block(self, model: CausalLM, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
              choose: Callable) -> _Loop:
     """One block of `stop_check_every` decode steps (`decode.block`), the decode loop's body."""
     step = functools.partial(self._step, model, logits_of, keys_B=keys_B, caps_B=caps_B, eos_E=eos_E,
                              rope_SxHd=rope_SxHd, choose=choose)
     return block(step, self.config.stop_check_every, loop)
 
-  def _decode(self, model: Qwen2, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
+  def _decode(self, model: CausalLM, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
               num_samples: int, gen_len: int, choose: Callable) -> SampleOutput:
     cfg, g, k = self.config, num_samples, self.config.stop_check_every
     p, tp = ids_PxTp.shape

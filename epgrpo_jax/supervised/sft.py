@@ -31,7 +31,7 @@ from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.core.losses import token_logprob_entropy
 from epgrpo_jax.io.metrics import Progress
 from epgrpo_jax.io.records import read_rows
-from epgrpo_jax.models import (LORA, LoraConfig, Qwen2, from_pretrained, load_tokenizer,
+from epgrpo_jax.models import (LORA, CausalLM, LoraConfig, from_pretrained, load_tokenizer,
                                render_prompt, save_pretrained)
 
 
@@ -95,7 +95,7 @@ class SFTConfig:
 
 @dataclasses.dataclass
 class SFTResult:
-  model: Qwen2  # the trained model (adapters merged if LoRA)
+  model: CausalLM  # the trained model (adapters merged if LoRA)
   path: Path | None  # the saved HF directory
   losses: list[float]  # per step
   seconds: float  # wall-clock of the training loop, compiles included
@@ -178,7 +178,7 @@ def _pad_batch(rows: Sequence[tuple[np.ndarray, int]], length: int,
 
 # ----------------------------------------------------------------------------- loss and step
 
-def sft_loss(model: Qwen2, batch: dict[str, jax.Array], chunk: int) -> jax.Array:
+def sft_loss(model: CausalLM, batch: dict[str, jax.Array], chunk: int) -> jax.Array:
   """Mean NLL of the completion tokens: position t predicts token t + 1."""
   tokens = batch["tokens_BxT"]
   b, t = tokens.shape
@@ -220,7 +220,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, chunk: int):
 
 # ----------------------------------------------------------------------------- training
 
-def train(model: Qwen2, tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
+def train(model: CausalLM, tokenizer, rows: Sequence[dict[str, Any]], cfg: SFTConfig,
           skipped_lines: dict[str, int] | None = None) -> SFTResult:
   """Fine-tunes `model` in place on `rows`; returns it with the loss history. `skipped_lines`:
   lines the reader already skipped (counted with the rows skipped here)."""

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from epgrpo_jax.models import Qwen2, as_dtype, init_cache, rope_table
+from epgrpo_jax.models import abstract_model, as_dtype, init_cache, rope_table
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rollout.sampling import Sampler, bucket, round_up, segment_ends
 from epgrpo_jax.training.advantage_program import AdvantageProgram
@@ -70,7 +70,7 @@ class StepParts:
     t = cfg.train
     check_rows(t, mesh)
     lora = None if cfg.model.full_finetune else cfg.lora
-    model = nnx.eval_shape(lambda: Qwen2(model_cfg, lora=lora, rngs=nnx.Rngs(t.seed)))
+    model = abstract_model(model_cfg, lora, t.seed)
     model = with_runtime_options(model, cfg.model)
     policy = Policy.from_model(model, cfg.model.full_finetune)
     built = step_programs(cfg, policy, mesh)

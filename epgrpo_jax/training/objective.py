@@ -18,12 +18,12 @@ from flax import nnx
 
 from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.core import optim
-from epgrpo_jax.models import Qwen2, rope_table
+from epgrpo_jax.models import CausalLM, rope_table
 from epgrpo_jax.training.advantage_program import advantage_step
 from epgrpo_jax.training.batches import CompletionBatch, Scored, UpdateBatch
 
 
-def completion_logprobs(model: Qwen2, rollout: CompletionBatch, *, temperature: float,
+def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperature: float,
                         adapters: bool = True, token_chunk: int = 1024,
                         vocab_chunk: int = 8192) -> tuple[jax.Array, jax.Array]:
   """Per-token log-prob and entropy of each completion under `model` ([B, N] float32).

@@ -5,7 +5,7 @@ A padded rollout runs every row as [prompt (left-padded) + completion (right-pad
 long as the longest; a packed one places each sequence's real tokens in a row of
 `row_length` slots after the previous sequence's, numbered by a segment id (1, 2, ... within
 the row in batch order; 0: an empty slot) with positions restarting at 0. The model attends within a
-segment only (`Qwen2(..., segments_BxT=...)`), so each sequence's hidden states are those of
+segment only (`CausalLM(..., segments_BxT=...)`), so each sequence's hidden states are those of
 the padded path. Per-token results come back to the rollout's [B, N] layout through
 `index_BxN`, so advantages, the loss and the metrics are unchanged.
 

@@ -22,7 +22,7 @@ from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import place
 from epgrpo_jax.parallel.platform import mesh_backend, mesh_platform, program_platform
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import Qwen2, activation_constraint, one_device_program
+from epgrpo_jax.models import CausalLM, activation_constraint, one_device_program, param_rules
 from epgrpo_jax.training.batches import Scored
 from epgrpo_jax.training.objective import (accumulated_gradients, apply_gradients, fused_gradients,
                                            fused_update, reference_logprobs, score, update)
@@ -39,7 +39,7 @@ class Policy:
   reference: nnx.State | None  # full fine-tuning only; LoRA switches adapters off instead
 
   @classmethod
-  def from_model(cls, model: Qwen2, full_finetune: bool) -> "Policy":
+  def from_model(cls, model: CausalLM, full_finetune: bool) -> "Policy":
     if full_finetune:
       graphdef, trainable, frozen = nnx.split(model, nnx.Param, ...)
       # Abstract weights (a compile check's ShapeDtypeStructs) stand for their copy as they are.
@@ -53,7 +53,7 @@ class Policy:
       reference = None
     return cls(graphdef, trainable, frozen, reference)
 
-  def model(self) -> Qwen2:
+  def model(self) -> CausalLM:
     return nnx.merge(self.graphdef, self.frozen, self.trainable)
 
 
@@ -61,8 +61,8 @@ class Policy:
 class StepShardings:
   """Where the arguments and results of the step programs live on a mesh.
 
-  States follow `sharding.state_shardings` (optimizer moments like their
-  parameters); per-sequence arrays [B, ...] and packed rows [R, L] are split over data x
+  States follow `sharding.state_shardings` by the model family's rules (optimizer moments
+  like their parameters); per-sequence arrays [B, ...] and packed rows [R, L] are split over data x
   fsdp.
   """
 
@@ -75,7 +75,8 @@ class StepShardings:
   @classmethod
   def create(cls, policy: Policy, tx: optax.GradientTransformation,
              mesh: jax.sharding.Mesh) -> "StepShardings":
-    of = lambda state: None if state is None else sharding.state_shardings(state, mesh)
+    rules = param_rules(policy.model().cfg)
+    of = lambda state: None if state is None else sharding.state_shardings(state, mesh, rules)
     return cls(mesh, of(policy.trainable), of(policy.frozen), of(policy.reference),
                of(jax.eval_shape(tx.init, policy.trainable)))
 

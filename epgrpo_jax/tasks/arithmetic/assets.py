@@ -16,7 +16,7 @@ from flax import nnx
 
 from epgrpo_jax.io import catalog
 from epgrpo_jax.io.records import read_rows
-from epgrpo_jax.models import ModelConfig, Qwen2, save_pretrained
+from epgrpo_jax.models import ModelConfig, build, save_pretrained
 from epgrpo_jax.tasks.arithmetic.problems import LEVELS, VERSION, generate_splits
 from epgrpo_jax.tasks.arithmetic.tokenizer import IM_END, PAD, build_tokenizer, chat_prompt, save_tokenizer
 
@@ -149,7 +149,7 @@ def build_assets(data_dir: str | Path | None = None, seed: int = 0, *, train_per
 def _save_random_model(directory: Path, tok, seed: int, overrides: dict[str, Any]) -> None:
   cfg = tiny_model_config(tok.get_vocab_size(), eos_token_id=tok.token_to_id(IM_END),
                           pad_token_id=tok.token_to_id(PAD), **overrides)
-  save_pretrained(Qwen2(cfg, rngs=nnx.Rngs(seed)), directory)
+  save_pretrained(build(cfg, None, nnx.Rngs(seed)), directory)
   gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
          "pad_token_id": tok.token_to_id(PAD)}
   (directory / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
