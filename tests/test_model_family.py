@@ -74,13 +74,13 @@ def toy_hf_names(cfg: ModelConfig) -> list[str]:
   return names
 
 
-# --- Step 4: logical axes of the base weights (LoRA factors follow their kernel's).
+# --- Step 4: logical axes of the base weights (LoRA factors follow their kernel's). The toy's
+# own choice: its embedding and head keep the vocabulary whole (Qwen2 splits it over `tensor`);
+# paths without a row (norms, biases) are replicated.
 TOY_AXES = (
-    (r"embed", ("vocab", "embed")),
-    (r"lm_head", ("embed", "vocab")),
-    (r".*norm\.weight", ("norm",)),
+    (r"embed", (None, "embed")),
+    (r"lm_head", ("embed", None)),
     (r".*attn\.(q|k|v)\.kernel", ("embed", "heads")),
-    (r".*attn\.(q|k|v)\.bias", ("heads",)),
     (r".*attn\.o\.kernel", ("heads", "embed")),
     (r".*mlp\.(gate|up)\.kernel", ("embed", "mlp")),
     (r".*mlp\.down\.kernel", ("mlp", "embed")),
@@ -154,7 +154,8 @@ def test_sharded_load_and_one_sampler_call(toy, tmp_path):
   assert q.kernel[...].sharding.spec == P("fsdp", "tensor")
   assert q.lora_a[...].sharding.spec == P("fsdp", None)  # (embed, rank): the kernel's input axis
   assert q.lora_b[...].sharding.spec == P(None, "tensor")  # (rank, heads): its output axis
-  assert model.embed[...].sharding.spec == P("tensor", "fsdp")
+  assert model.embed[...].sharding.spec == P(None, "fsdp")  # the toy's rule (Qwen2: "tensor", "fsdp")
+  assert model.layers[0].attn.q.bias[...].sharding.spec == P()  # no row: replicated
 
   prompts = [[5, 17, 33, 2], [44, 3, 90, 12, 7, 7]]
   config = SamplingConfig(greedy=True, max_new_tokens=4, prompt_buckets=(8,), length_buckets=(4,))
