@@ -152,3 +152,23 @@ def test_model_families_import_no_kernels_or_engines():
       if target.split(".")[0] in FAMILY_MAY_NOT_IMPORT:
         bad.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
   assert not bad, "\n".join(bad)
+
+
+def test_only_the_models_layer_names_a_family_class():
+  """Above `models/`, code holds a model as `models.CausalLM` and builds it through the registry:
+  no module imports a family's class (e.g. `Qwen2`)."""
+  import importlib
+
+  from epgrpo_jax.models import registry
+  classes = {fam.module for fam in registry._FAMILIES.values()}
+  bad = []
+  for name, path in modules().items():
+    if unit(name) == "models":
+      continue
+    for line, target, names in imports(path):
+      if unit(target) != "models":
+        continue
+      source = importlib.import_module(f"epgrpo_jax.{target}")
+      bad += [f"{path.relative_to(PACKAGE)}:{line} imports {n}" for n in names
+              if getattr(source, n, None) in classes]
+  assert not bad, "\n".join(bad)
