@@ -90,7 +90,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainLoopConfig:
-  steps: int = 200  # RL steps (one generation batch each)
+  steps: int = 300  # RL steps (one generation batch each)
   prompts_per_step: int = 8  # P, global
   num_generations: int = 8  # G responses per prompt
   num_iterations: int = 1  # passes over each generation batch
