@@ -21,7 +21,7 @@ from helpers import tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_SMOKE_CONFIG = "qwen2.5-0.5b-real-smoke.yaml"  # tests/test_real_model.py runs it
-PAPER_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("qwen2.5-*.yaml") if p.name != REAL_SMOKE_CONFIG)
+PAPER_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("qwen*.yaml") if p.name != REAL_SMOKE_CONFIG)
 EMBEDDED_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml")
                           if p.name not in PAPER_CONFIGS and p.name != REAL_SMOKE_CONFIG)
 

@@ -192,7 +192,7 @@ def test_model_dir_errors_name_the_file(capsys, task, tmp_path):
   (broken / "config.json").write_text(json.dumps(cfg))
   code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
   assert (code, line) == (2, f"error: {broken / 'config.json'}: model_type: unsupported 'llama'; "
-                             "known: qwen2")
+                             "known: qwen2, qwen3")
 
   cfg["model_type"] = "qwen2"
   (broken / "config.json").write_text(json.dumps(cfg))

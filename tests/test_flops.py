@@ -22,6 +22,26 @@ def test_layer_params_by_hand():
   assert flops.layer_params(TINY) == 120
 
 
+@pytest.mark.parametrize("family", [{}, dict(model_type="qwen3", attention_bias=False, qk_norm=True)],
+                         ids=["qwen2", "qwen3"])
+def test_forward_counts_the_compiled_products(family):
+  """The dot FLOPs XLA compiles for one forward (plain attention: every (query, key) pair,
+  not the causal half) equal the model's count, with head_dim x heads (48) above the hidden
+  size (20): q/k norms and biases add no products."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from helpers import random_model, tiny_config
+  cfg = tiny_config(hidden_size=20, num_heads=4, num_kv_heads=2, head_dim=12, attention="plain",
+                    **family)
+  t = 7
+  compiled = nnx.jit(lambda m, *a: m.logits(m(*a)[0])).lower(
+      random_model(cfg), jnp.zeros((1, t), jnp.int32), jnp.arange(t)[None], jnp.ones((1, t), bool))
+  fwd = flops.forward(cfg, [t], head_tokens=t)
+  full_attention = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * t * t
+  assert flops.hlo_counts(compiled.compile().as_text())["dot_flops"] == (
+      fwd.linear + fwd.head + full_attention)
+
+
 def test_forward_and_backward_by_hand():
   """Sequences of 3 and 2 tokens, the head at 3 of them.
   linear 2 x 2 layers x 120 x 5 tokens = 2400; causal pairs 6 + 3 = 9, attention

@@ -120,6 +120,17 @@ def assert_parity(ours_model: Qwen2, torch_model, vocab: int, label: str) -> dic
   return diffs
 
 
+def random_torch_model(model_cls, config_cls, cfg, seed: int = 5):
+  """A transformers model of `cfg` (our config, written as config.json) with every tensor random:
+  weights and biases of std 0.2, norms 1 + that."""
+  torch.manual_seed(seed)
+  torch_model = model_cls(config_cls(**config_to_hf(cfg))).eval()
+  with torch.no_grad():
+    for pname, p in torch_model.named_parameters():
+      p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
+  return torch_model
+
+
 def flat_params(model: Qwen2, filt=nnx.Param) -> dict[str, np.ndarray]:
   return {".".join(map(str, k)): np.asarray(v.get_value())
           for k, v in nnx.to_flat_state(nnx.state(model, filt))}
@@ -156,12 +167,7 @@ def test_parity_ours_saved_hf_loads(name, tmp_path):
 @pytest.mark.parametrize("name", list(PARITY_CONFIGS))
 def test_parity_hf_saved_ours_loads(name, tmp_path):
   cfg = tiny_config(**PARITY_CONFIGS[name])
-  torch.manual_seed(5)
-  hf_cfg = transformers.Qwen2Config(**config_to_hf(cfg))
-  torch_model = transformers.Qwen2ForCausalLM(hf_cfg).eval()
-  with torch.no_grad():  # every tensor random, biases and norms included
-    for pname, p in torch_model.named_parameters():
-      p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn_like(p))
+  torch_model = random_torch_model(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, cfg)
   torch_model.save_pretrained(tmp_path / name)  # safetensors
   assert (tmp_path / name / "model.safetensors").exists()
   model = from_pretrained(tmp_path / name)

@@ -1,7 +1,7 @@
-"""The real-model tier: a real Qwen2/Qwen2.5 checkpoint against transformers (issue 23).
+"""The real-model tier: a real Qwen2/Qwen2.5/Qwen3 checkpoint against transformers (issue 23).
 
 Runs only when `EPGRPO_REAL_MODEL` names a Hugging Face directory of any
-Qwen2/Qwen2.5 model (e.g. Qwen2.5-0.5B-Instruct); marked `real_model`:
+Qwen2, Qwen2.5 or Qwen3 dense model (e.g. Qwen2.5-0.5B-Instruct, Qwen3-0.6B); marked `real_model`:
 
   EPGRPO_REAL_MODEL=/models/Qwen2.5-0.5B-Instruct python -m pytest -m real_model
 
@@ -30,8 +30,8 @@ from helpers import torch_logits
 
 REAL = os.environ.get("EPGRPO_REAL_MODEL", "")
 pytestmark = [pytest.mark.real_model,
-              pytest.mark.skipif(not REAL, reason="EPGRPO_REAL_MODEL is unset (a Qwen2/Qwen2.5 "
-                                 "Hugging Face directory)")]
+              pytest.mark.skipif(not REAL, reason="EPGRPO_REAL_MODEL is unset (a Qwen2/Qwen2.5/"
+                                 "Qwen3 Hugging Face directory)")]
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -11,6 +11,7 @@ from epgrpo_jax.models.interface import Cache, CausalLM
 from epgrpo_jax.models.registry import (Family, abstract_model, build, config_from_hf, config_to_hf, family,
                                         init_cache, param_rules, register)
 from epgrpo_jax.models.qwen2 import Qwen2  # registers the family
+from epgrpo_jax.models.qwen3 import Qwen3  # registers the family
 from epgrpo_jax.models._hf_io import (TOKENIZER_FILES, from_pretrained, hf_state_dict, load_hf_config,
                                       save_pretrained)
 from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, check_vocab, encode_prompts, load_tokenizer,

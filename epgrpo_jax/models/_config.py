@@ -49,6 +49,10 @@ class ModelConfig:
   attention_block: int = 512  # keys per block of the blockwise attention
   attention_segments: int = 16  # cuDNN without a mask array: the most sequences in one row
   model_type: str = "qwen2"  # the family (`models.registry`)
+  # Decoder flags (`models/_decoder.py`), set by the family from config.json; each family's
+  # module accepts only its own values.
+  attention_bias: bool = True  # biases on q, k and v (o has none): Qwen2 yes, Qwen3 no
+  qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before the rotary (Qwen3)
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -92,11 +96,22 @@ def _qwen25(hidden, inter, layers, heads, kv, vocab, tied, max_pos=32768):
                      max_position_embeddings=max_pos, bos_token_id=151643, eos_token_id=151643)
 
 
+def _qwen3(hidden, inter, layers, heads, kv):
+  return ModelConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                     num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=128,
+                     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                     max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+                     model_type="qwen3", attention_bias=False, qk_norm=True)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, 151936, True),
     "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, 151936, True, 131072),
     "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2, 151936, True),
     "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, 152064, False, 131072),
+    # The Qwen3-1.7B and Qwen3-4B config.json shapes (head_dim 128 whatever hidden / heads).
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8),
     # The workload of the sampler and step benchmarks.
     "bench-tiny": ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=704,
                               num_layers=4, num_heads=4, num_kv_heads=2, rope_theta=10000.0,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
@@ -245,10 +246,14 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
     d, h, k, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.q = _linear(cfg, lora, "q", d, h * hd, True, rngs)
-    self.k = _linear(cfg, lora, "k", d, k * hd, True, rngs)
-    self.v = _linear(cfg, lora, "v", d, k * hd, True, rngs)
+    bias = cfg.attention_bias
+    self.q = _linear(cfg, lora, "q", d, h * hd, bias, rngs)
+    self.k = _linear(cfg, lora, "k", d, k * hd, bias, rngs)
+    self.v = _linear(cfg, lora, "v", d, k * hd, bias, rngs)
     self.o = _linear(cfg, lora, "o", h * hd, d, False, rngs)
+    if cfg.qk_norm:  # one weight over head_dim, shared by every head (HF Qwen3Attention)
+      self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, as_dtype(cfg.param_dtype))
+      self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, as_dtype(cfg.param_dtype))
     self.cfg = cfg
 
   def __call__(self, x_BxTxD, angles, k_BxKxHdxS, v_BxKxSxHd, valid_BxS, offset, write_index,
@@ -266,6 +271,8 @@ class Attention(nnx.Module):
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:  # per head, before the rotary embedding
+      q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     q, k = rotate(q, *angles), rotate(k, *angles)
     groups = cfg.num_heads // cfg.num_kv_heads
     if write_index is None and attention[0] == "cpu" and runs_cpu_kernels():
@@ -326,10 +333,22 @@ class Block(nnx.Module):
     return x, k, v
 
 
+def check_flags(cfg: ModelConfig, flags: dict[str, bool]) -> None:
+  """UserError unless `cfg` has the decoder flags `flags` (a family's: its checkpoints have
+  exactly those tensors, so another value could not be loaded or exported)."""
+  wrong = {name: value for name, value in flags.items() if getattr(cfg, name) != value}
+  if wrong:
+    raise UserError(f"model.{', model.'.join(wrong)}: a {cfg.model_type} decoder has "
+                    + ", ".join(f"{name}={value}" for name, value in wrong.items()))
+
+
 class Decoder(nnx.Module):
   """A decoder-only causal LM (`models.interface.CausalLM`); families subclass it. `__call__` returns final-norm hidden states; `logits` applies the head."""
 
+  FLAGS: dict[str, bool] = {}  # the decoder flags a subclass's family fixes (`check_flags`)
+
   def __init__(self, cfg: ModelConfig, *, lora: LoraConfig | None = None, rngs: nnx.Rngs):
+    check_flags(cfg, self.FLAGS)
     pdt = as_dtype(cfg.param_dtype)
     self.cfg = cfg
     self.lora = lora

@@ -55,7 +55,9 @@ class Flops:
 
 
 def layer_params(cfg) -> int:
-  """Weights one token multiplies through in one decoder layer (biases and norms left out)."""
+  """Weights one token multiplies through in one decoder layer (biases and norms, Qwen3's q/k
+  norms included, left out); q, k, v and o by num_heads x head_dim, which need not equal the
+  hidden size."""
   d, f, h, k, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.head_dim)
   return d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f

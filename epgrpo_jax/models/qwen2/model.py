@@ -8,3 +8,5 @@ from epgrpo_jax.models._decoder import Decoder
 class Qwen2(Decoder):
   """Qwen2 causal LM (`models.interface.CausalLM`). `__call__` returns final-norm hidden states;
   `logits` applies the head."""
+
+  FLAGS = {"attention_bias": True, "qk_norm": False}
