@@ -188,11 +188,11 @@ def test_model_dir_errors_name_the_file(capsys, task, tmp_path):
   assert line.startswith(f"error: {broken / 'model.safetensors'}: tensor")
 
   cfg["intermediate_size"] -= 1
-  cfg["model_type"] = "llama"
+  cfg["model_type"] = "gemma"
   (broken / "config.json").write_text(json.dumps(cfg))
   code, line = run_cli(capsys, *_run_args(task, tmp_path, f"model.path={broken}"))
-  assert (code, line) == (2, f"error: {broken / 'config.json'}: model_type: unsupported 'llama'; "
-                             "known: qwen2, qwen3")
+  assert (code, line) == (2, f"error: {broken / 'config.json'}: model_type: unsupported 'gemma'; "
+                             "known: llama, qwen2, qwen3")
 
   cfg["model_type"] = "qwen2"
   (broken / "config.json").write_text(json.dumps(cfg))

@@ -82,9 +82,12 @@ def ours(model: Qwen2, tokens, mask, positions, adapters: bool = True) -> np.nda
                             jnp.asarray(mask), adapters=adapters))
 
 
-def hf_model(directory: Path):
-  model = transformers.Qwen2ForCausalLM.from_pretrained(
+def hf_model(directory: Path, model_cls=None):
+  """The transformers model of a checkpoint directory, float32, eager attention; checks that
+  transformers reads it as `model_cls` (default Qwen2ForCausalLM)."""
+  model = transformers.AutoModelForCausalLM.from_pretrained(
       str(directory), dtype=torch.float32, attn_implementation="eager")
+  assert isinstance(model, model_cls or transformers.Qwen2ForCausalLM), type(model)
   return model.eval()
 
 
@@ -131,6 +134,27 @@ def random_torch_model(model_cls, config_cls, cfg, seed: int = 5):
   return torch_model
 
 
+def export_parity(model, directory: Path, model_cls, label: str) -> Path:
+  """Our model written by `save_pretrained` and read by transformers as `model_cls`: parity
+  (`assert_parity`), and our loader reads our writer back bit for bit."""
+  directory = save_pretrained(model, directory)
+  assert_parity(model, hf_model(directory, model_cls), model.cfg.vocab_size, label)
+  chex.assert_trees_all_equal(flat_params(from_pretrained(directory)), flat_params(model))
+  return directory
+
+
+def import_parity(cfg, directory: Path, model_cls, config_cls, label: str):
+  """A random transformers `model_cls` of `cfg` saved (safetensors) and read by our loader: the
+  same config, parity (`assert_parity`). Returns (ours, theirs)."""
+  torch_model = random_torch_model(model_cls, config_cls, cfg)
+  torch_model.save_pretrained(directory)
+  assert (directory / "model.safetensors").exists()
+  model = from_pretrained(directory)
+  assert model.cfg == cfg
+  assert_parity(model, torch_model, cfg.vocab_size, label)
+  return model, torch_model
+
+
 def flat_params(model: Qwen2, filt=nnx.Param) -> dict[str, np.ndarray]:
   return {".".join(map(str, k)): np.asarray(v.get_value())
           for k, v in nnx.to_flat_state(nnx.state(model, filt))}
@@ -158,21 +182,13 @@ def base_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", list(PARITY_CONFIGS))
 def test_parity_ours_saved_hf_loads(name, tmp_path):
   model = random_model(tiny_config(**PARITY_CONFIGS[name]), seed=11)
-  directory = save_pretrained(model, tmp_path / name)
-  assert_parity(model, hf_model(directory), model.cfg.vocab_size, f"ours->hf {name}")
-  # Our loader reads our writer back bit for bit.
-  chex.assert_trees_all_equal(flat_params(from_pretrained(directory)), flat_params(model))
+  export_parity(model, tmp_path / name, transformers.Qwen2ForCausalLM, f"ours->hf {name}")
 
 
 @pytest.mark.parametrize("name", list(PARITY_CONFIGS))
 def test_parity_hf_saved_ours_loads(name, tmp_path):
-  cfg = tiny_config(**PARITY_CONFIGS[name])
-  torch_model = random_torch_model(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, cfg)
-  torch_model.save_pretrained(tmp_path / name)  # safetensors
-  assert (tmp_path / name / "model.safetensors").exists()
-  model = from_pretrained(tmp_path / name)
-  assert model.cfg == cfg
-  assert_parity(model, torch_model, cfg.vocab_size, f"hf->ours {name}")
+  import_parity(tiny_config(**PARITY_CONFIGS[name]), tmp_path / name, transformers.Qwen2ForCausalLM,
+                transformers.Qwen2Config, f"hf->ours {name}")
 
 
 def test_config_round_trip_and_rejections():
@@ -180,7 +196,7 @@ def test_config_round_trip_and_rejections():
   assert config_from_hf(config_to_hf(cfg)) == cfg
   hf_cfg = transformers.Qwen2Config(**config_to_hf(cfg))
   assert hf_cfg.head_dim == 12 and hf_cfg.rope_parameters["rope_theta"] == 5e5
-  for bad, match in (({"model_type": "llama"}, "model_type"),
+  for bad, match in (({"model_type": "gemma"}, "model_type"),
                      ({"use_sliding_window": True}, "sliding"),
                      ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
                      ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
@@ -473,9 +489,9 @@ def _break(directory: Path, how: str) -> str:
     weights.unlink()
     return r"model\.safetensors"
   if how == "model-type":
-    cfg = json.loads((directory / "config.json").read_text()) | {"model_type": "llama"}
+    cfg = json.loads((directory / "config.json").read_text()) | {"model_type": "gemma"}
     (directory / "config.json").write_text(json.dumps(cfg))
-    return "model_type.*llama"
+    return "model_type.*gemma"
   tensors = load_file(weights)
   if how == "wrong-shape":
     name = "model.layers.1.self_attn.k_proj.weight"

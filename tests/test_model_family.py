@@ -118,7 +118,7 @@ def test_hf_config_builds_the_family(toy):
   with pytest.raises(UserError, match=r"^lora.targets: \['gate'\] are not projections of model_type "
                                       r"'toylm'; choose from \['q', 'v'\]$"):
     build(cfg, LoraConfig(rank=2, alpha=4.0, targets=("q", "gate")), nnx.Rngs(0))
-  with pytest.raises(UserError, match=r"^model_type: unsupported 'nope'; known: qwen2, qwen3, toylm$"):
+  with pytest.raises(UserError, match=r"^model_type: unsupported 'nope'; known: llama, qwen2, qwen3, toylm$"):
     config_from_hf(HF_CONFIG | {"model_type": "nope"})
   with pytest.raises(UserError, match=r"^sliding_window: not supported by toylm$"):
     config_from_hf(HF_CONFIG | {"sliding_window": 64})

@@ -23,8 +23,8 @@ from epgrpo_jax.models import (LoraConfig, Qwen3, build, config_from_hf, config_
                                save_pretrained)
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
 from helpers import arithmetic_task, random_model, rl_step_config, tiny_config, torch_logits
-from test_model import (LOGIT_ATOL, assert_parity, flat_params, ours, padded_batch, random_torch_model,
-                        randomize_lora)
+from test_model import (LOGIT_ATOL, export_parity, flat_params, hf_model, import_parity, ours,
+                        padded_batch, randomize_lora)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,10 +53,7 @@ def qwen3_config(**overrides):
 
 
 def hf_qwen3(directory):
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(directory), dtype=torch.float32, attn_implementation="eager")
-  assert isinstance(model, transformers.Qwen3ForCausalLM)
-  return model.eval()
+  return hf_model(directory, transformers.Qwen3ForCausalLM)
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +68,19 @@ def test_parity_ours_saved_hf_loads(name, tmp_path):
   model = random_model(qwen3_config(**PARITY_CONFIGS[name]), seed=11)
   assert {"q_norm", "k_norm"} <= set(vars(model.layers[0].attn))
   assert model.layers[0].attn.q.bias is None
-  directory = save_pretrained(model, tmp_path / name)
-  written = json.loads((directory / "config.json").read_text())
-  assert written["model_type"] == "qwen3" and written["architectures"] == ["Qwen3ForCausalLM"]
-  assert_parity(model, hf_qwen3(directory), model.cfg.vocab_size, f"ours->hf qwen3 {name}")
-  chex.assert_trees_all_equal(flat_params(from_pretrained(directory)), flat_params(model))
+  export_parity(model, tmp_path / name, transformers.Qwen3ForCausalLM, f"ours->hf qwen3 {name}")
 
 
 @pytest.mark.parametrize("name", list(PARITY_CONFIGS))
 def test_parity_hf_saved_ours_loads(name, tmp_path):
   cfg = qwen3_config(**PARITY_CONFIGS[name])
-  torch_model = random_torch_model(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, cfg)
-  torch_model.save_pretrained(tmp_path / name)
+  model, torch_model = import_parity(cfg, tmp_path / name, transformers.Qwen3ForCausalLM,
+                                     transformers.Qwen3Config, f"hf->ours qwen3 {name}")
   hf_names = set(torch_model.state_dict())
   assert "model.layers.0.self_attn.q_norm.weight" in hf_names
   assert not any(n.endswith("_proj.bias") for n in hf_names)
-  model = from_pretrained(tmp_path / name)
-  assert model.cfg == cfg
-  assert_parity(model, torch_model, cfg.vocab_size, f"hf->ours qwen3 {name}")
   # Our export writes back the tensors transformers wrote (tied heads: no lm_head).
-  ours_names = set(hf_state_dict(model))
-  assert ours_names == hf_names - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+  assert set(hf_state_dict(model)) == hf_names - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
 
 
 def test_greedy_tokens_match_transformers(base_dir):

@@ -5,13 +5,14 @@ from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraCon
                                       as_dtype, preset)
 from epgrpo_jax.models._lora import (BASE, LORA, Linear, dense_products, lora_layers, matmul, merge_lora,
                                     one_device_program, unmerge_lora)
-from epgrpo_jax.models._decoder import (activation_constraint, attend, decode_kernel, rope, rope_cos_sin,
-                                        rope_table)
+from epgrpo_jax.models._decoder import activation_constraint, attend, decode_kernel
+from epgrpo_jax.models._rope import rope, rope_cos_sin, rope_table
 from epgrpo_jax.models.interface import Cache, CausalLM
 from epgrpo_jax.models.registry import (Family, abstract_model, build, config_from_hf, config_to_hf, family,
                                         init_cache, param_rules, register)
 from epgrpo_jax.models.qwen2 import Qwen2  # registers the family
 from epgrpo_jax.models.qwen3 import Qwen3  # registers the family
+from epgrpo_jax.models.llama import Llama  # registers the family
 from epgrpo_jax.models._hf_io import (TOKENIZER_FILES, from_pretrained, hf_state_dict, load_hf_config,
                                       save_pretrained)
 from epgrpo_jax.models._tokenizer import (PLAIN_TEMPLATE, check_vocab, encode_prompts, load_tokenizer,

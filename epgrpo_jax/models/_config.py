@@ -53,6 +53,9 @@ class ModelConfig:
   # module accepts only its own values.
   attention_bias: bool = True  # biases on q, k and v (o has none): Qwen2 yes, Qwen3 no
   qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before the rotary (Qwen3)
+  # Llama 3.1's rotary frequencies for long contexts (HF rope_type "llama3"): (factor,
+  # low_freq_factor, high_freq_factor, original_max_position_embeddings); None: unscaled.
+  rope_scaling: tuple[float, float, float, int] | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -77,6 +80,11 @@ class ModelConfig:
       raise UserError(f"model.attention_block: must be > 0, got {self.attention_block}")
     if self.attention_segments <= 0:
       raise UserError(f"model.attention_segments: must be > 0, got {self.attention_segments}")
+    if self.rope_scaling is not None:
+      if len(self.rope_scaling) != 4:
+        raise UserError(f"model.rope_scaling: expected (factor, low_freq_factor, high_freq_factor, "
+                        f"original_max_position_embeddings), got {self.rope_scaling!r}")
+      object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.parallel.platform import backend
 from epgrpo_jax.models._lora import Linear, fused, fused_product, runs_cpu_kernels
+from epgrpo_jax.models._rope import rope_angles, rotate
 from epgrpo_jax.models.interface import Cache
 
 _ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
@@ -150,48 +151,6 @@ def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
       "valid": jnp.zeros((batch, slots), bool),
       "index": jnp.zeros((), jnp.int32),
   }
-
-
-def rope_cos_sin(positions_BxT, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles, [B, T, 1, Hd] float32, in the HF "rotate half" layout."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_BxTxHd2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
-  angles_BxTx1xHd = jnp.concatenate([angles_BxTxHd2, angles_BxTxHd2], -1)[:, :, None, :]
-  return jnp.cos(angles_BxTx1xHd), jnp.sin(angles_BxTx1xHd)
-
-
-def rope_table(cfg: ModelConfig, length: int) -> tuple[jax.Array, jax.Array]:
-  """`rope_cos_sin` of positions 0..length-1 as [length, Hd] tables, for `Decoder(rope_table=...)`.
-
-  A decode loop computes it once outside the loop: XLA:CPU fuses cos and sin into
-  their consumers and there evaluates them once per head, which cost about a tenth
-  of a decode step.
-  """
-  cos, sin = rope_cos_sin(jnp.arange(length)[None], cfg.head_dim, cfg.rope_theta)
-  return cos[0, :, 0], sin[0, :, 0]
-
-
-def rope_angles(positions_BxT, head_dim: int, theta: float,
-                table: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
-  """cos and sin [B, T, 1, Hd] at `positions_BxT`: looked up in `table` (a `rope_table`) if
-  given, else computed (`rope_cos_sin`)."""
-  if table is None:
-    return rope_cos_sin(positions_BxT, head_dim, theta)
-  return tuple(jnp.take(t_LxHd, positions_BxT, axis=0)[:, :, None] for t_LxHd in table)
-
-
-def rope(x_BxTxNxHd, positions_BxT, theta: float, table: tuple[jax.Array, jax.Array] | None = None):
-  """Rotary embedding in the HF "rotate half" layout, computed in float32 (`rope_angles`)."""
-  return rotate(x_BxTxNxHd, *rope_angles(positions_BxT, x_BxTxNxHd.shape[-1], theta, table))
-
-
-def rotate(x_BxTxNxHd, cos_BxTx1xHd, sin_BxTx1xHd):
-  """`rope` by the angles' cos and sin, computed in float32."""
-  x = x_BxTxNxHd.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], -1)
-  out = x * cos_BxTx1xHd + rotated * sin_BxTx1xHd
-  return out.astype(x_BxTxNxHd.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -333,7 +292,7 @@ class Block(nnx.Module):
     return x, k, v
 
 
-def check_flags(cfg: ModelConfig, flags: dict[str, bool]) -> None:
+def check_flags(cfg: ModelConfig, flags: dict[str, Any]) -> None:
   """UserError unless `cfg` has the decoder flags `flags` (a family's: its checkpoints have
   exactly those tensors, so another value could not be loaded or exported)."""
   wrong = {name: value for name, value in flags.items() if getattr(cfg, name) != value}
@@ -345,7 +304,7 @@ def check_flags(cfg: ModelConfig, flags: dict[str, bool]) -> None:
 class Decoder(nnx.Module):
   """A decoder-only causal LM (`models.interface.CausalLM`); families subclass it. `__call__` returns final-norm hidden states; `logits` applies the head."""
 
-  FLAGS: dict[str, bool] = {}  # the decoder flags a subclass's family fixes (`check_flags`)
+  FLAGS: dict[str, Any] = {}  # the decoder flags a subclass's family fixes (`check_flags`)
 
   def __init__(self, cfg: ModelConfig, *, lora: LoraConfig | None = None, rngs: nnx.Rngs):
     check_flags(cfg, self.FLAGS)
@@ -421,7 +380,7 @@ class Decoder(nnx.Module):
         valid = jax.lax.dynamic_update_slice(cache["valid"], mask_BxT, (0, write_index))
         offset = write_index
 
-    angles = rope_angles(positions_BxT, cfg.head_dim, cfg.rope_theta, rope_table)
+    angles = rope_angles(positions_BxT, cfg.head_dim, cfg.rope_theta, rope_table, cfg.rope_scaling)
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       if cache is None and cfg.remat:  # remat matters for the backward pass (no cache)

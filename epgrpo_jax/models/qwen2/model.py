@@ -9,4 +9,4 @@ class Qwen2(Decoder):
   """Qwen2 causal LM (`models.interface.CausalLM`). `__call__` returns final-norm hidden states;
   `logits` applies the head."""
 
-  FLAGS = {"attention_bias": True, "qk_norm": False}
+  FLAGS = {"attention_bias": True, "qk_norm": False, "rope_scaling": None}

@@ -1,23 +1,18 @@
 """The Qwen3 dense family (config.json `model_type: qwen3`): its module, HF weight table,
 sharding axes and LoRA targets, registered with `models.registry`."""
 
-from epgrpo_jax.models._config import LORA_TARGETS
-from epgrpo_jax.models._decoder import init_cache
+import dataclasses
+
+from epgrpo_jax.models import qwen2
 from epgrpo_jax.models.qwen3 import hf, sharding
 from epgrpo_jax.models.qwen3.model import Qwen3
-from epgrpo_jax.models.registry import Family, register
+from epgrpo_jax.models.registry import register
 
-FAMILY = register(Family(
-    model_type="qwen3",
-    module=Qwen3,
-    config_from_hf=hf.config_from_hf,
-    config_to_hf=hf.config_to_hf,
-    weights=hf.WEIGHTS,
-    hf_names=hf.hf_names,
-    param_axes=sharding.PARAM_AXES,
-    lora_targets=LORA_TARGETS,  # the same seven projections; the q/k norms stay frozen
-    init_cache=init_cache,
-    ignored=hf.IGNORED,
-))
+# Qwen2's family with its own module and tables; Qwen2's LoRA targets (the same seven projections; the q/k norms stay frozen),
+# KV cache and ignored tensor names.
+FAMILY = register(dataclasses.replace(
+    qwen2.FAMILY, model_type="qwen3", module=Qwen3, config_from_hf=hf.config_from_hf,
+    config_to_hf=hf.config_to_hf, weights=hf.WEIGHTS, hf_names=hf.hf_names,
+    param_axes=sharding.PARAM_AXES))
 
 __all__ = ["FAMILY", "Qwen3"]

@@ -9,13 +9,11 @@ from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models._config import ModelConfig
 from epgrpo_jax.models._hf_config import decoder_from_hf, decoder_to_hf
 from epgrpo_jax.models.qwen2 import hf as qwen2_hf
-from epgrpo_jax.models.qwen3.model import Qwen3
 
 WEIGHTS: tuple[tuple[str, str, bool], ...] = tuple(
     row for row in qwen2_hf.WEIGHTS if not row[0].endswith(r"_proj\.bias")) + (
     (r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers.{0}.attn.{1}_norm.weight", False),
 )
-IGNORED = qwen2_hf.IGNORED
 
 
 def hf_names(cfg: ModelConfig) -> list[str]:
@@ -33,7 +31,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     raise UserError("num_experts: mixture-of-experts models are not supported (dense only)")
   if hf.get("use_sliding_window"):
     raise UserError("use_sliding_window: sliding-window attention is not supported")
-  return decoder_from_hf(hf) | Qwen3.FLAGS
+  return decoder_from_hf(hf) | {"attention_bias": False, "qk_norm": True}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -10,4 +10,4 @@ class Qwen3(Decoder):
   """Qwen3 causal LM (`models.interface.CausalLM`). `__call__` returns final-norm hidden states;
   `logits` applies the head."""
 
-  FLAGS = {"attention_bias": False, "qk_norm": True}
+  FLAGS = {"attention_bias": False, "qk_norm": True, "rope_scaling": None}

@@ -1,0 +1,18 @@
+"""The Llama 3.x family (config.json `model_type: llama`): its module, HF weight table,
+sharding axes and LoRA targets, registered with `models.registry`."""
+
+import dataclasses
+
+from epgrpo_jax.models import qwen2
+from epgrpo_jax.models.llama import hf, sharding
+from epgrpo_jax.models.llama.model import Llama
+from epgrpo_jax.models.registry import register
+
+# Qwen2's family with its own module and tables; Qwen2's LoRA targets (the same seven projections),
+# KV cache and ignored tensor names.
+FAMILY = register(dataclasses.replace(
+    qwen2.FAMILY, model_type="llama", module=Llama, config_from_hf=hf.config_from_hf,
+    config_to_hf=hf.config_to_hf, weights=hf.WEIGHTS, hf_names=hf.hf_names,
+    param_axes=sharding.PARAM_AXES))
+
+__all__ = ["FAMILY", "Llama"]
