@@ -168,7 +168,8 @@ def main():
 
   from epgrpo_jax.rollout import sampling as sampling_module, strategies
   from epgrpo_jax.kernels import cpu as cpu_kernels
-  from epgrpo_jax.models import decode_kernel, from_pretrained, load_hf_config
+  from epgrpo_jax.kernels import seam
+  from epgrpo_jax.models import from_pretrained, load_hf_config
   from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
   import _common as C
@@ -201,8 +202,9 @@ def main():
 
   makers = {
       "full": lambda: variant(base),
-      "xla attention": lambda: variant(base, mock.patch.object(sampling_module, "decode_kernel",
-                                                       lambda fn: decode_kernel(None))),
+      "xla attention": lambda: variant(base, mock.patch.object(  # no decode kernel chosen
+          seam, "choose", lambda cfg, mesh=None, choose=seam.choose, **kw: choose(
+              cfg, mesh, **(kw | {"decode_rows": None})))),
       "xla draw": lambda: variant(base, mock.patch.object(
           cpu_kernels, "nucleus_draw", xla_draw(cpu_kernels.largest_threshold))),
       "xla threshold": lambda: variant(base, mock.patch.object(

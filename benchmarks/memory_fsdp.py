@@ -86,7 +86,7 @@ def update_memory(policy: programs.Policy, mesh, *, rows: int, prompt_len: int,
                                max_grad_norm=1.0)
   s = programs.StepShardings.create(policy, tx, mesh)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
-                            on_policy=True, shardings=s, remat=remat)
+                            on_policy=True, shardings=s, remat=remat, model_cfg=policy.model().cfg)
   row = lambda n, dt: jax.ShapeDtypeStruct((rows, n), dt, sharding=s.rows)
   packing = None
   if packed_rows:

@@ -127,7 +127,7 @@ def main() -> None:
   s = programs.StepShardings.create(policy, tx, mesh)
   policy = s.place_policy(policy)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
-                               on_policy=True, shardings=s, remat=cfg.remat,
+                               on_policy=True, shardings=s, remat=cfg.remat, model_cfg=cfg,
                                adv_cfg=advantages.AdvantageConfig())
   rollout, P, G = packed_rollout(args.rows, args.row_length, args.prompt_len,
                                  args.completion_len, cfg.vocab_size)

@@ -17,8 +17,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models import LORA, LoraConfig, _attention, one_device_program
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import LORA, LoraConfig, _attention
 from helpers import random_model, tiny_config
 
 ATOL = 1e-5
@@ -179,9 +181,10 @@ class CpuKernelTest(chex.TestCase):
     np.testing.assert_array_equal(np.asarray(got[2][2]), 0.0)  # sees nothing: 0, not NaN
 
   def test_model_takes_the_kernel_in_one_device_programs_and_equals_plain(self):
-    # Through the whole model (left padding, GQA, remat, LoRA grads, packed segments): the
-    # kernel's loss and adapter grads equal plain's; on several devices it runs plain (and
-    # the MLP's activation runs in XLA: that case compares both C++ kernels with XLA).
+    # Through the whole model (left padding, GQA, remat, LoRA grads, packed segments): auto's
+    # kernel (the seam's CPU choice) gives the loss and adapter grads of plain; on several
+    # devices it runs plain (and the MLP's activation runs in XLA: that case compares both C++
+    # kernels with XLA).
     lora = LoraConfig(rank=2, alpha=4.0)
     cfg = tiny_config(num_layers=2, remat=True)
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, 97, (3, 21)), jnp.int32)
@@ -189,29 +192,30 @@ class CpuKernelTest(chex.TestCase):
     positions = jnp.maximum(jnp.cumsum(mask, 1) - 1, 0)
     segments = jnp.zeros((3, 21), jnp.int32).at[0, 9:].set(1)
 
-    def loss(model):
-      hidden, _ = model(tokens, positions, mask, segments_BxT=segments)
+    def loss(model, kernels):
+      hidden, _ = model(tokens, positions, mask, segments_BxT=segments, kernels=kernels)
       return jnp.sum(jnp.where(mask[..., None], model.logits(hidden), 0.0) ** 2) / 100
 
     grad = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, LORA))
     results, calls = {}, {}
-    for name, one_device in (("plain", True), ("cpu", True), ("cpu", False)):
+    for name, one_device in (("plain", True), ("auto", True), ("auto", False)):
       model = random_model(cfg.replace(attention=name), lora=lora, seed=7)
-      with one_device_program(one_device):
-        value, grads = nnx.jit(grad)(model)
-        graphdef, state = nnx.split(model)
-        jaxpr = str(jax.make_jaxpr(lambda st: grad(nnx.merge(graphdef, st)))(state))
-        backward = jaxpr.count("epgrpo_causal_attention_grad")
-        calls[name, one_device] = (jaxpr.count("epgrpo_causal_attention") - backward, backward)
-        # The MLP's gated activation: a C++ kernel in one-device programs (plain attention too).
-        assert ("epgrpo_swiglu" in jaxpr) == one_device
+      kernels = seam.for_backend(model.cfg, "cpu", one_device)
+      value, grads = nnx.jit(grad, static_argnums=1)(model, kernels)
+      graphdef, state = nnx.split(model)
+      jaxpr = str(jax.make_jaxpr(lambda st: grad(nnx.merge(graphdef, st), kernels))(state))
+      backward = jaxpr.count("epgrpo_causal_attention_grad")
+      calls[name, one_device] = (jaxpr.count("epgrpo_causal_attention") - backward, backward)
+      # The MLP's gated activation: a C++ kernel in one-device programs (plain attention too).
+      assert ("epgrpo_swiglu" in jaxpr) == one_device
       results[name, one_device] = (value, nnx.to_pure_dict(grads))
     # Per layer: the forward, its recomputation in the backward (remat), one backward.
     layers = cfg.num_layers
-    assert calls == {("plain", True): (0, 0), ("cpu", True): (2 * layers, layers),
-                     ("cpu", False): (0, 0)}
-    chex.assert_trees_all_close(results["cpu", True], results["plain", True], atol=ATOL, rtol=1e-5)
-    chex.assert_trees_all_close(results["cpu", False], results["plain", True], atol=ATOL, rtol=1e-5)
+    assert calls == {("plain", True): (0, 0), ("auto", True): (2 * layers, layers),
+                     ("auto", False): (0, 0)}
+    chex.assert_trees_all_close(results["auto", True], results["plain", True], atol=ATOL, rtol=1e-5)
+    chex.assert_trees_all_close(results["auto", False], results["plain", True], atol=ATOL,
+                                rtol=1e-5)
 
 
 @jax.jit
@@ -260,15 +264,20 @@ def test_auto_choice_and_config_errors():
   # CPU: the C++ kernel in float32 (it builds on the test machines), plain in bf16; GPU bf16:
   # cuDNN; GPU fp32 and TPU: blockwise.
   assert cpu_kernels.available()
-  assert _attention.resolve("auto", jnp.float32) == "cpu"
-  assert _attention.resolve("auto", jnp.float32, backend="cpu") == "cpu"
-  assert _attention.resolve("auto", jnp.bfloat16, backend="cpu") == "plain"
-  assert _attention.resolve("auto", jnp.bfloat16, backend="gpu") == "cudnn"
-  assert _attention.resolve("auto", jnp.float32, backend="gpu") == "blockwise"
-  assert _attention.resolve("auto", jnp.bfloat16, backend="tpu") == "blockwise"
-  assert _attention.resolve("blockwise", jnp.float32) == "blockwise"
+  assert seam.resolve("auto", jnp.float32, "cpu") == "cpu"
+  assert seam.resolve("auto", jnp.bfloat16, "cpu") == "plain"
+  assert seam.resolve("auto", jnp.bfloat16, "gpu") == "cudnn"
+  assert seam.resolve("auto", jnp.float32, "gpu") == "blockwise"
+  assert seam.resolve("auto", jnp.bfloat16, "tpu") == "blockwise"
+  assert seam.resolve("blockwise", jnp.float32, "cpu") == "blockwise"
+  # A model called without the seam's choice runs XLA's: auto is plain there.
+  assert _attention.configured("auto") == "plain"
+  assert _attention.configured("blockwise") == "blockwise"
   with pytest.raises(ValueError, match="model.attention"):
     tiny_config(attention="flash")
+  # "cpu" is auto's business now: one line that says so.
+  with pytest.raises(UserError, match="model.attention: 'cpu' is not a value; use auto"):
+    tiny_config(attention="cpu")
   with pytest.raises(ValueError, match="model.attention_block"):
     tiny_config(attention_block=0)
 

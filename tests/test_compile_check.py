@@ -5,6 +5,7 @@ mesh's devices, not the host's backend; the command's errors are one line, exit 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -16,10 +17,9 @@ import pytest
 
 from epgrpo_jax.io.commandline import run_main
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import _attention
-from epgrpo_jax.models._lora import folds_adapters, runs_cpu_kernels
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import XLA, preset
 from epgrpo_jax.parallel import tpu_env
-from epgrpo_jax.parallel.platform import backend, program_platform
 from epgrpo_jax.tools import compile_check, tpu_costs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,20 +30,21 @@ TINY = ["--preset", "test-tiny", "--prompt-tokens", "8", "train.prompts_per_step
         "train.num_generations=4", "sampling.max_new_tokens=16", "sampling.top_p=0.9"]
 
 
-def test_choices_follow_the_traced_programs_platform():
-  with program_platform("tpu"):
-    assert backend() == "tpu"
-    assert _attention.resolve("auto", jnp.float32) == "blockwise"
-    assert _attention.resolve("auto", jnp.bfloat16) == "blockwise"
-    assert not runs_cpu_kernels()
-    assert not folds_adapters(jnp.float32, 10_000, 64, 64)
-    with pytest.raises(UserError, match="model.attention: cudnn runs on GPUs only; this program "
-                                         "runs on tpu"):
-      _attention.resolve("cudnn", jnp.bfloat16)
-  with program_platform("gpu"):
-    assert _attention.resolve("auto", jnp.bfloat16) == "cudnn"
-  with program_platform(None):
-    assert backend() == "cpu"  # the suite's backend
+def test_choices_follow_the_programs_platform():
+  # The seam picks a TPU program's kernels by its platform, not this CPU host's: XLA's
+  # throughout (no C++ kernel, no CPU-only workaround), blockwise attention.
+  cfg = preset("test-tiny")
+  tpu = seam.for_backend(cfg, "tpu", True)
+  assert tpu == dataclasses.replace(XLA, attention="blockwise")
+  assert seam.for_backend(cfg.replace(dtype="bfloat16"), "tpu", True).attention == "blockwise"
+  assert not tpu.folds_adapters(jnp.float32, 10_000, 64, 64)
+  with pytest.raises(UserError, match="model.attention: cudnn runs on GPUs only; this program "
+                                       "runs on tpu"):
+    seam.for_backend(cfg.replace(attention="cudnn"), "tpu", True)
+  assert seam.for_backend(cfg.replace(dtype="bfloat16"), "gpu", True).attention == "cudnn"
+  cpu = seam.for_backend(cfg, "cpu", True)
+  assert cpu.causal_attention is not None and cpu.attention == "plain"
+  assert seam.backend_of(None) == "cpu"  # the suite's backend
 
 
 def test_libtpu_is_quieted_only_where_no_tpu_is_attached(monkeypatch):

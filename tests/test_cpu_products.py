@@ -13,8 +13,8 @@ from absl.testing import parameterized
 from flax import nnx
 
 from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models import LoraConfig, Qwen2, lora_layers, one_device_program, preset
-from epgrpo_jax.models._lora import matmul
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import LoraConfig, Qwen2, lora_layers, preset
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
 BUCKETS = dict(prompt_buckets=(8, 16), length_buckets=(8, 16))
@@ -171,7 +171,7 @@ class TestTrainingProductsOnPanels(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_equal_xla_products_in_value_and_gradients(self):
-    # `models._lora.matmul` in float32: 300 rows (>= PACKED_MIN_ROWS) on panels, forward and
+    # The CPU kernels' matmul in float32: 300 rows (>= PACKED_MIN_ROWS) on panels, forward and
     # backward (x's gradient by the packed transpose), in a single-device program only.
     panels_or_skip()
     rng = np.random.default_rng(9)
@@ -179,14 +179,15 @@ class TestTrainingProductsOnPanels(chex.TestCase):
     w = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32)
     loss = lambda product: lambda x, w: jnp.sum(product(x, w) * ct)
     want = jax.value_and_grad(loss(jnp.matmul), argnums=(0, 1))(x, w)
-    with pytest.MonkeyPatch.context() as mp, one_device_program(True):
+    matmul, on_a_mesh = (seam.for_backend(preset("test-tiny"), "cpu", one).matmul
+                         for one in (True, False))
+    with pytest.MonkeyPatch.context() as mp:
       mp.setattr(cpu_kernels, "PANEL_MIN_SIZE", 0)  # a small weight for the test
       got = self.variant(jax.value_and_grad(loss(matmul), argnums=(0, 1)))(x, w)
       jaxpr = str(jax.make_jaxpr(jax.grad(loss(matmul)))(x, w))
       assert jaxpr.count("epgrpo_panel_matmul") == 2  # the product and x's gradient
       assert "epgrpo_panel_matmul" not in str(jax.make_jaxpr(matmul)(x[0, :8], w))  # few rows
-      with one_device_program(False):
-        assert "epgrpo_panel_matmul" not in str(jax.make_jaxpr(matmul)(x, w))
+      assert "epgrpo_panel_matmul" not in str(jax.make_jaxpr(on_a_mesh)(x, w))
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-4)
 
 

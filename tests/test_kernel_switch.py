@@ -18,12 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 # What each caller decides, in a fresh process (available() is read once per process).
 PROBE = """
 import jax.numpy as jnp
-from epgrpo_jax.kernels import cpu
-from epgrpo_jax.models import _attention, _lora
+from epgrpo_jax.kernels import cpu, seam
+from epgrpo_jax.models import preset
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
-print(cpu.available(), _attention.resolve("auto", jnp.float32) == "cpu", _lora.runs_cpu_kernels(),
-      Sampler(SamplingConfig()).uses_cpu_kernels(), cpu.packing_for(jnp.float32) is not None,
-      cpu.bf16_unit() is not None)
+kernels = seam.choose(preset("test-tiny"))
+print(cpu.available(), seam.resolve("auto", jnp.float32, "cpu") == "cpu",
+      kernels.causal_attention is not None, Sampler(SamplingConfig()).uses_cpu_kernels(),
+      cpu.packing_for(jnp.float32) is not None, cpu.bf16_unit() is not None)
 """
 
 

@@ -11,9 +11,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "epgrpo_jax"
 
 # Each package (a directory, or a command module at the top) sits in one layer.
 LAYERS = {
-    0: ["core", "io", "parallel", "kernels"],
+    0: ["core", "io", "parallel"],
     1: ["models", "data", "rewards", "estimators"],
-    2: ["rollout", "supervised"],
+    2: ["kernels", "rollout", "supervised"],  # kernels: the backends behind models.Kernels
     3: ["tasks", "evaluation"],
     4: ["training"],
     5: ["train", "evaluate", "sft", "tools", "experiments"],
@@ -88,6 +88,21 @@ def test_no_private_names_across_modules():
           and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
           and unit(node.value.id) is not None and node.value.id != name):
         bad.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+  assert not bad, "\n".join(bad)
+
+
+def test_models_import_no_backend_kernels():
+  """The model calls the backends only through the `Kernels` its program passes in
+  (`kernels.seam`): no module under models/ imports epgrpo_jax.kernels or the platform module,
+  nor asks jax for the backend it runs on."""
+  bad = []
+  for name, path in modules().items():
+    if unit(name) != "models":
+      continue
+    bad += [f"{path.name}:{line} imports {target}" for line, target, _ in imports(path)
+            if unit(target) == "kernels" or target.startswith("parallel.platform")]
+    bad += [f"{path.name}: calls {call}" for call in ("default_backend", "device_count")
+            if call in path.read_text()]
   assert not bad, "\n".join(bad)
 
 

@@ -6,6 +6,7 @@ eager attention and explicit position ids (cumsum(mask) - 1).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -25,9 +26,10 @@ from safetensors.numpy import load_file, save_file
 
 from epgrpo_jax.data.evalsets import load_benchmark
 from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.kernels.cpu import products
 from epgrpo_jax.models import _lora
-from epgrpo_jax.models._lora import (Linear, folds_adapters, fused, low_rank, matmul,
-                                     merged_lora, one_device_program)
+from epgrpo_jax.models._lora import Linear, fused, low_rank
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, config_from_hf,
                                config_to_hf, encode_prompts, from_pretrained, hf_state_dict, init_cache,
                                load_hf_config, load_tokenizer, lora_layers, merge_lora, param_rules,
@@ -623,6 +625,17 @@ def test_qwen25_05b_shapes_smoke(tokenizer):
   chex.assert_tree_all_finite(logits)
 
 
+def cpu_kernels_for(single_device: bool = False):
+  """The seam's CPU kernels (`single_device` false: on a mesh, as a program without one in this
+  suite's eight fake devices: no C++ products)."""
+  return seam.for_backend(preset("test-tiny"), "cpu", single_device)
+
+
+CPU = cpu_kernels_for()
+merged_lora = CPU.merged_lora
+matmul = CPU.matmul
+
+
 class LowRankTest(chex.TestCase):
   """The adapter product's hand-written backward pass equals autodiff of (x @ a) @ b."""
 
@@ -668,9 +681,10 @@ class MergedLoraTest(chex.TestCase):
                  ours(x, w, a, b), unmerged(x, w, a, b))
 
   def test_the_rule(self):
-    if jax.default_backend() != "cpu":  # their float32 dots' TF32 / bf16 passes would round W'
-      assert not folds_adapters(jnp.float32, 10_000, self.K, self.N)
-      return
+    for backend in ("gpu", "tpu"):  # their float32 dots' TF32 / bf16 passes would round W'
+      kernels = seam.for_backend(preset("test-tiny"), backend, True)
+      assert not kernels.folds_adapters(jnp.float32, 10_000, self.K, self.N)
+    folds_adapters = CPU.folds_adapters
     assert folds_adapters(jnp.float32, self.M, self.K, self.N)
     assert not folds_adapters(jnp.float32, 4, self.K, self.N)
     assert not folds_adapters(jnp.float32, 38, self.K, self.N)  # 38 * 160 < 64 * 96 < 39 * 160
@@ -694,39 +708,40 @@ class MergedLoraTest(chex.TestCase):
   def test_zero_adapters_give_the_reference_output_bit_for_bit(self):
     # Step 1 (every B zero): log pi - log pi_ref, the progress signal, must be exactly zero.
     layer, x = self._linear(jnp.float32, lora_b=0.0)
-    forward = self.variant(lambda x, adapters: layer(x, adapters), static_argnames="adapters")
-    with mock.patch.object(_lora, "merged_lora", wraps=merged_lora) as merged:
-      policy = forward(x, adapters=True)
+    merged = mock.Mock(wraps=merged_lora)
+    kernels = dataclasses.replace(CPU, merged_lora=merged)
+    forward = self.variant(lambda x, adapters: layer(x, adapters, kernels), static_argnames="adapters")
+    policy = forward(x, adapters=True)
     assert merged.called  # the merged path, not low_rank's (+0 added)
     bits = lambda v: np.asarray(v).view(np.uint32)
     np.testing.assert_array_equal(bits(policy), bits(forward(x, adapters=False)))
-    both = self.variant(lambda x: (layer(x, True), layer(x, False)))(x)  # in one program too
+    both = self.variant(lambda x: (layer(x, True, CPU), layer(x, False, CPU)))(x)  # in one program
     np.testing.assert_array_equal(bits(both[0]), bits(both[1]))
     w, a, b = layer.kernel[...], layer.lora_a[...], layer.lora_b[...]  # w + a @ 0 is w, -0.0 too
-    np.testing.assert_array_equal(bits(self.variant(_lora._merged_kernel, static_argnums=3)(
+    np.testing.assert_array_equal(bits(self.variant(products._merged_kernel, static_argnums=3)(
         w, a, b, layer.lora_scale)), bits(w))
 
   def test_float32_linear_folds_its_adapters(self):
     layer, x = self._linear(jnp.float32, lora_b=0.3)
     with mock.patch.object(_lora, "low_rank", wraps=low_rank) as unmerged:
-      got = layer(x)
+      got = layer(x, kernels=CPU)
     assert not unmerged.called
     want = (x @ layer.kernel[...] + layer.bias[...]
             + layer.lora_scale * low_rank(x, layer.lora_a[...], layer.lora_b[...]))
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
-    with mock.patch.object(_lora, "merged_lora", wraps=merged_lora) as merged:
-      layer(x[:, :2])  # 4 rows: the rank products are the cheaper
+    merged = mock.Mock(wraps=merged_lora)
+    layer(x[:, :2], kernels=dataclasses.replace(CPU, merged_lora=merged))  # 4 rows: rank products
     assert not merged.called
 
   def test_bfloat16_linear_keeps_the_rank_products(self):
     layer, x = self._linear(jnp.bfloat16, lora_b=0.3)
-    with mock.patch.object(_lora, "merged_lora", wraps=merged_lora) as merged, \
-         mock.patch.object(_lora, "low_rank", wraps=low_rank) as unmerged:
-      got = layer(x)
+    merged = mock.Mock(wraps=merged_lora)
+    with mock.patch.object(_lora, "low_rank", wraps=low_rank) as unmerged:
+      got = layer(x, kernels=dataclasses.replace(CPU, merged_lora=merged))
     assert unmerged.called and not merged.called
     a, b = (layer.lora_a[...].astype(jnp.bfloat16), layer.lora_b[...].astype(jnp.bfloat16))
     want = (matmul(x, layer.kernel[...].astype(jnp.bfloat16)) + layer.bias[...].astype(jnp.bfloat16)
-            + (layer.lora_scale * low_rank(x, a, b)).astype(jnp.bfloat16))
+            + (layer.lora_scale * low_rank(x, a, b, CPU)).astype(jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -775,18 +790,17 @@ class RoundedMatmulTest(chex.TestCase):
     x = jnp.asarray(rng.standard_normal((4, 64, 64)), jnp.bfloat16)  # 256 rows
     w = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)  # and its transpose: tiles fit
     t = jnp.asarray(rng.standard_normal((4, 64, 32)), jnp.float32)
-    def value_and_grads():  # a new function each time: jit caches traces per function
+    def value_and_grads(single_device: bool = True):  # new each time: jit caches per function
+      matmul = cpu_kernels_for(single_device).matmul
       return jax.jit(jax.value_and_grad(
           lambda x, w: jnp.sum(jnp.tanh(matmul(x, w).astype(jnp.float32)) * t), argnums=(0, 1)))
 
-    with one_device_program(True):  # the suite fakes 8 CPU devices; this runs on one
-      fn = value_and_grads()
-      text, got = fn.lower(x, w).as_text(), fn(x, w)
+    fn = value_and_grads()  # a single-device program's kernels (the suite fakes 8 devices)
+    text, got = fn.lower(x, w).as_text(), fn(x, w)
     assert text.count(f'@{target}(') == 2, text  # forward and input gradient
-    with one_device_program(False):
-      assert target not in value_and_grads().lower(x, w).as_text()
-    with one_device_program(True):  # fewer rows than PACKED_MIN_ROWS: XLA's dot
-      assert target not in jax.jit(lambda x, w: matmul(x, w)).lower(x[:3], w).as_text()
+    assert target not in value_and_grads(single_device=False).lower(x, w).as_text()
+    one = cpu_kernels_for(True).matmul  # fewer rows than PACKED_MIN_ROWS: XLA's dot
+    assert target not in jax.jit(lambda x, w: one(x, w)).lower(x[:3], w).as_text()
     with (mock.patch.object(cpu_kernels, "amx_available", lambda: False),
           mock.patch.object(cpu_kernels, "pairs_available", lambda: False)):
       want = value_and_grads()(x, w)  # XLA's dots
@@ -804,7 +818,7 @@ class RoundedMatmulTest(chex.TestCase):
 def test_a_cache_slot_is_written_without_widening_the_cache(dtype):
   # XLA:CPU widens a bf16 dynamic-update-slice to float32: the whole cache converted there
   # and back at every decode step. write_slots writes a 16-bit cache through its bits.
-  from epgrpo_jax.models._decoder import write_slots
+  write_slots = CPU.write_slots
   cache = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 8, 16)), dtype)
   new = jnp.full((2, 2, 8, 1), 1.5, jnp.float32)
   write = jax.jit(lambda c, n, i: write_slots(c, n, (0, 0, 0, i)))
@@ -847,7 +861,7 @@ def _update_temp_bytes(num_layers: int, remat: bool, sequences: int = 2, prompt:
   policy = programs.Policy.from_model(model, full_finetune=False)
   tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
-                            on_policy=True, remat=remat)
+                            on_policy=True, remat=remat, model_cfg=cfg)
   rows = lambda n, dt: jax.ShapeDtypeStruct((sequences, n), dt)
   p, c = prompt, completion
   batch = batches.UpdateBatch(
@@ -900,7 +914,7 @@ def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
   policy = programs.Policy(graphdef, trainable, frozen, reference=trainable)
   tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
-                            on_policy=True)
+                            on_policy=True, model_cfg=cfg)
   rows = lambda n, dt: jax.ShapeDtypeStruct((8, n), dt)
   batch = batches.UpdateBatch(
       rollout=batches.CompletionBatch(rows(8, jnp.int32), rows(8, bool), rows(8, jnp.int32), rows(8, bool)),

@@ -134,7 +134,7 @@ def test_update_refuses_a_packing_without_the_micro_batch_layout():
   tx, _ = objective.make_optimizer(1e-3, 10, warmup_ratio=0.0, weight_decay=0.0,
                                   max_grad_norm=1.0)
   fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=LossConfig(), temperature=1.0,
-                               on_policy=False)
+                               on_policy=False, model_cfg=policy.model().cfg)
   with pytest.raises(ValueError, match="pack_micro_batches"):
     fns.update(policy.trainable, tx.init(policy.trainable), policy.frozen,
                _update_batch(packed), micro_batches=2)

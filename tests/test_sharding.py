@@ -303,7 +303,7 @@ def test_sharded_rematerialised_update_matches_plain_update():
     policy = programs.Policy.from_model(model, full_finetune=False)
     shardings = None if mesh is None else programs.StepShardings.create(policy, tx, mesh)
     fns = programs.StepFunctions(policy.graphdef, tx, loss_cfg=losses.LossConfig(), temperature=1.0,
-                              on_policy=True, shardings=shardings)
+                              on_policy=True, shardings=shardings, model_cfg=model.cfg)
     opt_state = tx.init(policy.trainable)
     trainable, opt_state, metrics = fns.update(policy.trainable, opt_state, policy.frozen,
                                                jax.tree.map(jax.numpy.asarray, batch))

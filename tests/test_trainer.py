@@ -266,12 +266,13 @@ def test_gradient_accumulation_equals_one_pass(task, tmp_path):
     for aggregation in AGGREGATIONS:
       fns = programs.StepFunctions(trainer.policy.graphdef, trainer.tx,
                                 loss_cfg=LossConfig(aggregation=aggregation), temperature=1.0,
-                                on_policy=True, shardings=trainer.shardings)
+                                on_policy=True, shardings=trainer.shardings,
+                                model_cfg=trainer.model_cfg)
       full = fns.gradients(trainable, trainer.policy.frozen, batch)
       loss, aux, grads = fns.gradients(trainable, trainer.policy.frozen, batch, micro_batches=2)
       assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(full[2])), aggregation
       # atol 1e-6 (gradients here reach 0.15): the full batch and its halves may take other
-      # float32 products on CPU (adapters folded or not, `models._lora.folds_adapters`), so
+      # float32 products on CPU (adapters folded or not, `Kernels.folds_adapters`), so
       # entries that cancel to near zero differ in rounding (1.7e-7 seen on one of 256).
       chex.assert_trees_all_close((loss, grads), (full[0], full[2]), rtol=1e-5, atol=1e-6)
       chex.assert_trees_all_close(aux, full[1], rtol=1e-5, atol=1e-6)

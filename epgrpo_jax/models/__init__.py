@@ -1,11 +1,13 @@
 """Causal-LM families behind one interface (`interface.CausalLM`, `registry`), LoRA and checkpoint I/O."""
 
-from epgrpo_jax.models._attention import resolve as resolve_attention
-from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraConfig, ModelConfig,
+from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraConfig, ModelConfig, check_attention,
                                       as_dtype, preset)
-from epgrpo_jax.models._lora import (BASE, LORA, Linear, dense_products, lora_layers, matmul, merge_lora,
-                                    one_device_program, unmerge_lora)
-from epgrpo_jax.models._decoder import activation_constraint, attend, decode_kernel
+from epgrpo_jax.models._kernels import (XLA, Kernels, concatenated, ordered_remat, rounded_matmul,
+                                       through_bits, write_row_slots, write_slots, xla_matmul,
+                                       xla_rounded_product, xla_swiglu)
+from epgrpo_jax.models._lora import (BASE, LORA, Linear, low_rank, lora_layers, merge_lora,
+                                    rank_transposed_matmul, unmerge_lora)
+from epgrpo_jax.models._decoder import attend
 from epgrpo_jax.models._rope import rope, rope_cos_sin, rope_table
 from epgrpo_jax.models.interface import Cache, CausalLM
 from epgrpo_jax.models.registry import (Family, abstract_model, build, config_from_hf, config_to_hf, family,

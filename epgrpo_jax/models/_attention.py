@@ -1,5 +1,4 @@
-"""Attention over keys that are valid per slot and causal per query: plain, blockwise, cuDNN,
-and a C++ kernel on the CPU.
+"""Attention over keys that are valid per slot and causal per query: plain, blockwise, cuDNN.
 
 Shape suffixes as in `_decoder`: B batch, K key/value heads, G query heads per KV head,
 T queries, S key slots, Hd head dim, Bk keys per block, nb blocks.
@@ -21,14 +20,14 @@ segment: `segments_BxS[b, s] == segments_BxS[b, offset + t]`:
   query offset is a Python int.
 - "cudnn" is cuDNN's fused flash attention (GPU, bf16/fp16 only); without a cache it gets
   each row's runs of one segment as lengths and offsets (`segment_runs`), no mask array.
-- "cpu" is `kernels.cpu.causal_attention` (float32 C++, forward and backward) for passes
-  without a cache in a single-device program: it takes q, k and v in the projections'
-  layout (no transposes), skips the causal upper half of the scores, and recomputes the
-  probabilities in its backward pass. Elsewhere (a cache, several devices) it runs "plain".
+
+Which one runs is the program's choice (`epgrpo_jax.kernels.seam`): "auto" there picks per
+backend and dtype, and on a CPU may hand the passes without a cache to a C++ kernel
+(`Kernels.causal_attention`), which gives a query with no visible slot zero.
 
 A query with no visible slot (left padding) gets a finite output, not NaN: uniform
 weights over all S slots in "plain", over the slots its query block scans in
-"blockwise", zero in "cpu". The model never reads such a query's output (its slot is not a valid key,
+"blockwise". The model never reads such a query's output (its slot is not a valid key,
 and losses mask it), so only queries that see a slot are held to equal values.
 """
 
@@ -40,34 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models._config import ATTENTION as IMPLEMENTATIONS
-from epgrpo_jax.parallel.platform import backend as program_backend
-
 _NEG = -1e30  # finite, so that a row with no valid key gets a uniform, not NaN, softmax
 
 
-def resolve(name: str, dtype, backend: str | None = None) -> str:
-  """The implementation `name` ("auto": chosen by backend and dtype) stands for.
-
-  auto: "cudnn" on a GPU in bf16/fp16; on the CPU "cpu" in float32 where the C++ kernels
-  build (three times XLA's plain attention at the bench shapes, docs/benchmarks.md), else
-  "plain"; "blockwise" elsewhere (GPU in fp32, TPU), where long sequences are the point.
-  """
-  if name not in IMPLEMENTATIONS:
-    raise UserError(f"model.attention: unknown {name!r}; use one of {list(IMPLEMENTATIONS)}")
-  backend = backend or program_backend()
-  if name == "cudnn" and backend not in ("gpu", "cuda", "rocm"):
-    raise UserError(f"model.attention: cudnn runs on GPUs only; this program runs on {backend} "
-                     f"(use auto)")
-  if name != "auto":
-    return name
-  if backend == "cpu":
-    return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu_kernels.available() else "plain"
-  if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
-    return "cudnn"
-  return "blockwise"
+def configured(name: str) -> str:
+  """The implementation the model runs for the config value `name` when its program chose
+  none (`Kernels.attention` None): "auto" is "plain", the others as named."""
+  return "plain" if name == "auto" else name
 
 
 def query_segments(segments_BxS, offset, t: int):

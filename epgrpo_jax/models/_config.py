@@ -11,8 +11,17 @@ from epgrpo_jax.io.errors import UserError
 # Every projection of the shared decoder (`models/_decoder.py`): the default adapter targets. A
 # family declares which it supports (`registry.Family.lora_targets`), checked when it is built.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-ATTENTION = ("auto", "plain", "blockwise", "cudnn", "cpu")
+ATTENTION = ("auto", "plain", "blockwise", "cudnn")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def check_attention(name: str) -> None:
+  """Raises a config error unless `name` is a `model.attention` value."""
+  if name == "cpu":
+    raise UserError("model.attention: 'cpu' is not a value; use auto (on a CPU in float32 it "
+                    "runs the C++ kernel)")
+  if name not in ATTENTION:
+    raise UserError(f"model.attention: unknown {name!r}; use one of {list(ATTENTION)}")
 
 
 def as_dtype(name: str):
@@ -43,8 +52,8 @@ class ModelConfig:
   param_dtype: str = "float32"  # base-weight dtype (LoRA weights stay float32)
   remat: bool = False  # rematerialise each decoder layer in the backward pass
   # Attention over more than one query (prefill, scoring, update): auto | plain | blockwise |
-  # cudnn | cpu (`_attention.resolve`; auto: cudnn on GPU in bf16, the C++ kernel "cpu" on CPU
-  # in float32, plain on CPU otherwise, else blockwise).
+  # cudnn (`kernels.seam.resolve`; auto: cudnn on GPU in bf16, the C++ causal kernel on CPU
+  # in float32 where it builds, plain on CPU otherwise, else blockwise).
   attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
   attention_segments: int = 16  # cuDNN without a mask array: the most sequences in one row
@@ -74,8 +83,7 @@ class ModelConfig:
       raise UserError(f"model.head_dim: must be even for rotary embeddings, got {self.head_dim}")
     as_dtype(self.dtype)
     as_dtype(self.param_dtype)
-    if self.attention not in ATTENTION:
-      raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
+    check_attention(self.attention)
     if self.attention_block <= 0:
       raise UserError(f"model.attention_block: must be > 0, got {self.attention_block}")
     if self.attention_segments <= 0:

@@ -12,10 +12,8 @@ slots; a row's real tokens are those whose slots are valid, and positions
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,92 +23,23 @@ from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
-from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.parallel.platform import backend
-from epgrpo_jax.models._lora import Linear, fused, fused_product, runs_cpu_kernels
+from epgrpo_jax.models._kernels import XLA, Kernels
+from epgrpo_jax.models._lora import Linear, fused, fused_product
 from epgrpo_jax.models._rope import rope_angles, rotate
 from epgrpo_jax.models.interface import Cache
 
-_ACTIVATION_CONSTRAINT: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "activation_constraint", default=None)
 
-
-@contextlib.contextmanager
-def activation_constraint(fn: Callable[[jax.Array, str], jax.Array] | None):
-  """While tracing inside, arrays pass through `fn(x, kind)` (e.g. sharding constraints; the
-  model knows no mesh): kind "embedding", the table before the token lookup, and "hidden",
-  the hidden states [B, T, D] after the lookup and after each block."""
-  token = _ACTIVATION_CONSTRAINT.set(fn)
-  try:
-    yield
-  finally:
-    _ACTIVATION_CONSTRAINT.reset(token)
-
-
-_DECODE_KERNEL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "decode_kernel", default=None)
-
-
-@contextlib.contextmanager
-def decode_kernel(fn: Callable | None):
-  """While tracing inside, one-token decode steps over a float32 or bfloat16 cache attend with
-  `fn(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit)` (slots < limit
-  are read) instead of `attend`; e.g. `cpu_kernels.decode_attention`."""
-  token = _DECODE_KERNEL.set(fn)
-  try:
-    yield
-  finally:
-    _DECODE_KERNEL.reset(token)
-
-
-def _constrain(x, kind: str = "hidden"):
-  fn = _ACTIVATION_CONSTRAINT.get()
-  return x if fn is None else fn(x, kind)
-
-
-def recompute_in_backward(fn: Callable) -> Callable:
-  """`fn` whose backward pass recomputes its activations from its inputs (remat).
-
-  The recomputation waits for the incoming cotangent (one optimization barrier
-  over both), so it runs layer by layer during the backward pass. With
-  `jax.checkpoint` alone, nothing orders the recomputation after the cotangent,
-  and XLA:CPU scheduled every layer's recomputation up front: the compiled
-  temporaries then grew with depth almost as without remat. Cotangents of
-  inputs that are not differentiated (the frozen base) are dropped by XLA.
-  The ordering is a fix for XLA:CPU's scheduler: other backends get `jax.checkpoint`.
-  XLA:CPU also drops the barrier before its last CSE pass, which would merge the
-  recomputation with the forward's values; the trainer compiles such programs without CSE
-  (`training.programs.cpu_remat_options`).
-  """
-  if backend() != "cpu":
-    return jax.checkpoint(fn)
-
-  @jax.custom_vjp
-  def wrapped(*args):
-    return fn(*args)
-
-  def fwd(*args):
-    return fn(*args), args
-
-  def bwd(args, cotangent):
-    args, cotangent = jax.lax.optimization_barrier((args, cotangent))
-    _, vjp = jax.vjp(fn, *args)
-    return vjp(cotangent)
-
-  wrapped.defvjp(fwd, bwd)
-  return wrapped
-
-
-def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS):
-  """softmax(q . keys) . values by the resolved `attention` (the decode kernel for one token
-  with a cache, where one is installed)."""
+def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS,
+            kernels: Kernels):
+  """softmax(q . keys) . values by the resolved `attention` (the kernels' decode attention for
+  one token with a cache, where they have one)."""
   t = q.shape[3]
-  kernel = _DECODE_KERNEL.get()
-  if (kernel is not None and t == 1 and write_index is not None
+  decode = kernels.decode_attention
+  if (decode is not None and t == 1 and write_index is not None
       and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
     # a per-row index (continuous batching): the kernel reads the slots below the largest
-    return kernel(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1)[:, :, :, None]
-  if attention[0] in ("plain", "cpu") or t == 1:
+    return decode(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1)[:, :, :, None]
+  if attention[0] == "plain" or t == 1:
     return _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t, segments_BxS))
   if attention[0] == "blockwise":
     return _attention.blockwise(q, keys, values, valid_BxS, offset, block=attention[1],
@@ -120,7 +49,7 @@ def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments
 
 
 def _remat_block(layer: "Block", x, angles, valid, segments, attention: tuple[str, int, int],
-                 adapters: bool):
+                 adapters: bool, kernels: Kernels):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
 
   The layer enters as a pure state, so this works when the model was merged from a
@@ -131,9 +60,9 @@ def _remat_block(layer: "Block", x, angles, valid, segments, attention: tuple[st
 
   def pure(state, x, angles, valid, segments):
     return nnx.merge(graphdef, state)(x, angles, None, None, valid, 0, None, attention, adapters,
-                                      segments)[0]
+                                      segments, kernels)[0]
 
-  return recompute_in_backward(pure)(state, x, angles, valid, segments)
+  return kernels.remat(pure)(state, x, angles, valid, segments)
 
 
 def init_cache(cfg: ModelConfig, batch: int, slots: int, dtype=None) -> Cache:
@@ -172,35 +101,6 @@ def _linear(cfg: ModelConfig, lora: LoraConfig | None, name: str, d_in, d_out, b
                 lora_scale=lora.scale if rank else 1.0)
 
 
-def write_slots(cache: jax.Array, new: jax.Array, start: tuple) -> jax.Array:
-  """`new` (cast to the cache's dtype) written into `cache` at `start`.
-
-  On CPU a 16-bit float cache is written through its bit pattern: XLA:CPU widens a bf16
-  dynamic-update-slice to float32, which converts the whole cache there and back at every
-  decode step.
-  """
-  new = new.astype(cache.dtype)
-  if cache.dtype not in (jnp.bfloat16, jnp.float16) or backend() != "cpu":
-    return jax.lax.dynamic_update_slice(cache, new, start)
-  bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
-  return jax.lax.bitcast_convert_type(jax.lax.dynamic_update_slice(bits(cache), bits(new), start),
-                                      cache.dtype)
-
-
-def write_row_slots(cache: jax.Array, new: jax.Array, index_B: jax.Array, axis: int) -> jax.Array:
-  """`new` [B, ...] (a slot of `cache` without its slot axis `axis`) written into row b of
-  `cache` at slot `index_B[b]`, as a scatter; slots past the cache are dropped. A 16-bit
-  float cache on CPU is written through its bits, as in `write_slots`."""
-  dtype = cache.dtype
-  new = new.astype(dtype)
-  bits = dtype in (jnp.bfloat16, jnp.float16) and backend() == "cpu"
-  if bits:
-    cache, new = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (cache, new))
-  index = (jnp.arange(cache.shape[0]),) + (slice(None),) * (axis - 1) + (index_B,)
-  out = cache.at[index].set(new, mode="drop")  # the row and slot indices lead: new is [B, ...]
-  return jax.lax.bitcast_convert_type(out, dtype) if bits else out
-
-
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, lora: LoraConfig | None, rngs: nnx.Rngs):
@@ -216,17 +116,19 @@ class Attention(nnx.Module):
     self.cfg = cfg
 
   def __call__(self, x_BxTxD, angles, k_BxKxHdxS, v_BxKxSxHd, valid_BxS, offset, write_index,
-               attention: tuple[str, int, int], adapters: bool, segments_BxS=None):
+               attention: tuple[str, int, int], adapters: bool, segments_BxS=None,
+               kernels: Kernels = XLA):
     """Rotates q and k by `angles` (`rope_angles`: cos, sin), writes this block's keys/values at
     `write_index` (None: no cache) and attends: query t
     (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS` (and of its own
     segment, given `segments_BxS`), by the resolved `attention` (implementation, block size,
     most sequences per row for cuDNN)
-    (a one-token step: the plain path or decode kernel; "cpu": the C++ kernel without a cache
-    in a single-device program on CPU, plain otherwise)."""
+    (a one-token step: the plain path or the kernels' decode attention; without a cache, the
+    kernels' causal attention where they have one). `kernels.products` holds this block's
+    prepared products (q/k/v, o, gate/up, down), if any."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
-    q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters)
+    q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters, kernels, kernels.product(0))
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -234,26 +136,28 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     q, k = rotate(q, *angles), rotate(k, *angles)
     groups = cfg.num_heads // cfg.num_kv_heads
-    if write_index is None and attention[0] == "cpu" and runs_cpu_kernels():
+    o = functools.partial(self.o, adapters=adapters, kernels=kernels, product=kernels.product(1))
+    if write_index is None and kernels.causal_attention is not None:
       segments = jnp.zeros(valid_BxS.shape, jnp.int32) if segments_BxS is None else segments_BxS
       with jax.named_scope("attention"):
-        out = cpu_kernels.causal_attention(
+        out = kernels.causal_attention(
             q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim), k, v, valid_BxS, segments)
-      return self.o(out.reshape(b, t, cfg.num_heads * cfg.head_dim), adapters), None, None
+      return o(out.reshape(b, t, cfg.num_heads * cfg.head_dim)), None, None
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
       keys, values = k_BxKxHdxT, v_BxKxTxHd
     elif write_index.ndim:  # one slot per row (t == 1)
-      keys = write_row_slots(k_BxKxHdxS, k_BxKxHdxT[..., 0], write_index, 3)
-      values = write_row_slots(v_BxKxSxHd, v_BxKxTxHd[:, :, 0], write_index, 2)
+      keys = kernels.write_row_slots(k_BxKxHdxS, k_BxKxHdxT[..., 0], write_index, 3)
+      values = kernels.write_row_slots(v_BxKxSxHd, v_BxKxTxHd[:, :, 0], write_index, 2)
     else:
-      keys = write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
-      values = write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
+      keys = kernels.write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
+      values = kernels.write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
     with jax.named_scope("attention"):  # a profile's attention share (benchmarks/update_gpu.py)
-      out = _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS)
+      out = _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS,
+                    kernels)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
-    return self.o(out, adapters), keys, values
+    return o(out), keys, values
 
 
 class MLP(nnx.Module):
@@ -264,13 +168,16 @@ class MLP(nnx.Module):
     self.up = _linear(cfg, lora, "up", d, f, False, rngs)
     self.down = _linear(cfg, lora, "down", f, d, False, rngs)
 
-  def __call__(self, x_BxTxD, adapters: bool):
-    gate_up = fused_product([self.gate, self.up], x_BxTxD, adapters)
-    if gate_up is not None and gate_up.dtype == jnp.float32 and runs_cpu_kernels():
-      return self.down(cpu_kernels.swiglu(gate_up), adapters)  # no halves copied out
-    gate, up = (jnp.split(gate_up, 2, axis=-1) if gate_up is not None
-                else [layer(x_BxTxD, adapters) for layer in (self.gate, self.up)])
-    return self.down(jax.nn.silu(gate) * up, adapters)
+  def __call__(self, x_BxTxD, adapters: bool, kernels: Kernels = XLA):
+    """down(silu(gate) * up); `kernels.products` holds this block's prepared products, if any
+    (gate/up third, down fourth)."""
+    down = functools.partial(self.down, adapters=adapters, kernels=kernels,
+                             product=kernels.product(3))
+    gate_up = fused_product([self.gate, self.up], x_BxTxD, adapters, kernels, kernels.product(2))
+    if gate_up is not None:
+      return down(kernels.swiglu(gate_up))
+    gate, up = [layer(x_BxTxD, adapters, kernels) for layer in (self.gate, self.up)]
+    return down(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -282,13 +189,21 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, pdt)
     self.mlp = MLP(cfg, lora, rngs)
 
+  GROUPS = 4  # projection groups per block: q/k/v, o, gate/up, down (`linear_groups`)
+
+  def linear_groups(self) -> list[list[Linear]]:
+    """The block's projections as its forward pass multiplies them: q/k/v and gate/up each as
+    one `fused` group, o and down alone."""
+    return [[self.attn.q, self.attn.k, self.attn.v], [self.attn.o], [self.mlp.gate, self.mlp.up],
+            [self.mlp.down]]
+
   def __call__(self, x, angles, k, v, valid, offset, write_index, attention: tuple[str, int, int],
-               adapters: bool, segments=None):
+               adapters: bool, segments=None, kernels: Kernels = XLA):
     dtype = x.dtype
     h, k, v = self.attn(self.input_norm(x).astype(dtype), angles, k, v, valid, offset,
-                        write_index, attention, adapters, segments)
+                        write_index, attention, adapters, segments, kernels)
     x = x + h.astype(dtype)
-    x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters).astype(dtype)
+    x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters, kernels).astype(dtype)
     return x, k, v
 
 
@@ -324,9 +239,7 @@ class Decoder(nnx.Module):
   def linear_groups(self) -> list[list[Linear]]:
     """The projections as the forward pass multiplies them: q/k/v and gate/up each as one
     `fused` group, o and down alone."""
-    return [group for block in self.layers for group in (
-        [block.attn.q, block.attn.k, block.attn.v], [block.attn.o],
-        [block.mlp.gate, block.mlp.up], [block.mlp.down])]
+    return [group for block in self.layers for group in block.linear_groups()]
 
   def head_DxV(self) -> jax.Array:
     """The output projection, [hidden, vocab], in the compute dtype."""
@@ -340,7 +253,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens_BxT, positions_BxT, mask_BxT, cache: Cache | None = None, *,
                adapters: bool = True, rope_table: tuple[jax.Array, jax.Array] | None = None,
-               segments_BxT=None):
+               segments_BxT=None, kernels: Kernels = XLA):
     """Runs the decoder over `tokens_BxT`.
 
     Without a cache: causal attention within the batch, keys restricted to
@@ -350,14 +263,17 @@ class Decoder(nnx.Module):
     `rope_table` (from `rope_table(cfg, L)`) looks the rotary cos/sin up by position
     instead of computing them; positions must be < L (beyond it they read NaN).
     `segments_BxT` (no cache): packed rows, a token attends only to its own segment's tokens.
+    `kernels`: the backend's implementations (`Kernels`; chosen once per program by
+    `epgrpo_jax.kernels.seam.choose`), plain XLA by default.
     """
     cfg = self.cfg
     dtype = as_dtype(cfg.dtype)
     b, t = tokens_BxT.shape
-    table = _constrain(self.embed[...], "embedding")
-    x = _constrain(jnp.take(table, tokens_BxT, axis=0).astype(dtype))
+    constrain = kernels.constrain
+    table = constrain(self.embed[...], "embedding")
+    x = constrain(jnp.take(table, tokens_BxT, axis=0).astype(dtype))
     mask_BxT = mask_BxT.astype(bool)
-    attention = (_attention.resolve(cfg.attention, dtype), cfg.attention_block,
+    attention = (kernels.attention or _attention.configured(cfg.attention), cfg.attention_block,
                  cfg.attention_segments)
     if cache is None:
       write_index, valid, offset = None, mask_BxT, 0
@@ -383,15 +299,16 @@ class Decoder(nnx.Module):
     angles = rope_angles(positions_BxT, cfg.head_dim, cfg.rope_theta, rope_table, cfg.rope_scaling)
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
+      block_kernels = kernels.groups(i * Block.GROUPS, Block.GROUPS)
       if cache is None and cfg.remat:  # remat matters for the backward pass (no cache)
-        x = _remat_block(layer, x, angles, valid, segments_BxT, attention, adapters)
+        x = _remat_block(layer, x, angles, valid, segments_BxT, attention, adapters, block_kernels)
         k = v = None
       else:
         ck = cache["k"][i] if cache is not None else None
         cv = cache["v"][i] if cache is not None else None
         x, k, v = layer(x, angles, ck, cv, valid, offset, write_index, attention, adapters,
-                        segments_BxT)
-      x = _constrain(x)
+                        segments_BxT, block_kernels)
+      x = constrain(x)
       new_k.append(k)
       new_v.append(v)
     hidden = self.final_norm(x).astype(dtype)

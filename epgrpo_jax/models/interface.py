@@ -11,6 +11,7 @@ from typing import Protocol
 import jax
 
 from epgrpo_jax.models._config import LoraConfig, ModelConfig
+from epgrpo_jax.models._kernels import XLA, Kernels
 from epgrpo_jax.models._lora import Linear
 
 # A family's KV cache: a plain pytree; the shared decoder's is {"k": [L x BxKxHdxS],
@@ -32,13 +33,15 @@ class CausalLM(Protocol):
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array, mask_BxT: jax.Array,
                cache: Cache | None = None, *, adapters: bool = True,
                rope_table: tuple[jax.Array, jax.Array] | None = None,
-               segments_BxT: jax.Array | None = None) -> tuple[jax.Array, Cache | None]:
+               segments_BxT: jax.Array | None = None,
+               kernels: Kernels = XLA) -> tuple[jax.Array, Cache | None]:
     """Hidden states [B, T, D] of `tokens_BxT` at `positions_BxT`: without a cache, causal
     attention within the batch over the keys where `mask_BxT`; with one, the tokens written at
     its `index` and attending to every valid slot (the cache comes back updated, else None).
     `adapters=False` runs the base weights alone; `rope_table` (`models.rope_table`) looks
     the rotary angles up by position; `segments_BxT` (no cache): packed rows, each token
-    attends within its own segment."""
+    attends within its own segment; `kernels`: the backend's implementations, chosen once per
+    program (`epgrpo_jax.kernels.seam.choose`; `Kernels.products` in `linear_groups` order)."""
     ...
 
   def head_DxV(self) -> jax.Array:

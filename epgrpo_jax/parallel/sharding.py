@@ -156,7 +156,7 @@ def leading_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
 
 
 def activation_constraints(mesh: Mesh):
-  """`(x, kind) -> x` for `models.activation_constraint`: hidden states [B, ...] split over
+  """`(x, kind) -> x` for `models.Kernels.constrain`: hidden states [B, ...] split over
   data x fsdp; the embedding table gathered over fsdp before the lookup (as FSDP gathers
   every weight before use; the vocabulary stays split over tensor)."""
   def constrain(x, kind: str = "hidden"):

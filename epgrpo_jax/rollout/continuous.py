@@ -31,8 +31,7 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models import as_dtype, init_cache, rope_table
+from epgrpo_jax.models import XLA, Kernels, as_dtype, init_cache, rope_table
 
 from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, prepared_model, stops,
                                        token_keys, weights_of)
@@ -81,13 +80,13 @@ def empty_slots(model_cfg, s: int, capacity: int, cache_dtype, keys_R) -> Slots:
                done_S=jnp.ones((s,), bool), keys_S=jnp.repeat(keys_R[:1], s), cap_S=zeros())
 
 
-def prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype):
+def prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype, kernels: Kernels = XLA):
   """Each prompt once: (its cache over Tp slots, the logits after its last token [P, V])."""
   p, tp = ids_PxTp.shape
   positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
   hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
                                init_cache(model.cfg, p, tp, cache_dtype),
-                               rope_table=rope_table(model.cfg, tp))
+                               rope_table=rope_table(model.cfg, tp), kernels=kernels)
   return cache, logits_of(hidden_PxTpxD[:, -1])
 
 
@@ -119,11 +118,12 @@ def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S
   return slots, (tokens_S, jnp.where(fill_S, logp_S, zero), jnp.where(fill_S, entropy_S, zero), fill_S)
 
 
-def decode_step(model, logits_of, rope, slots: Slots, eos_E, choose: Callable, pad_id: int):
+def decode_step(model, logits_of, rope, slots: Slots, eos_E, choose: Callable, pad_id: int,
+                kernels: Kernels = XLA):
   """One token for every live slot (the others masked): (slots, (tokens, logp, entropy, live))."""
   s = slots.last_S.shape[0]
   hidden_Sx1xD, cache = model(slots.last_S[:, None], slots.positions_S[:, None], jnp.ones((s, 1), bool),
-                              slots.cache, rope_table=rope)
+                              slots.cache, rope_table=rope, kernels=kernels)
   tokens_S, logp_S, entropy_S = choose(token_keys(slots.keys_S, slots.t_S), logits_of(hidden_Sx1xD[:, 0]))
   live_S = ~slots.done_S
   tokens_S = jnp.where(live_S, tokens_S, pad_id)
@@ -139,16 +139,17 @@ def decode_step(model, logits_of, rope, slots: Slots, eos_E, choose: Callable, p
 
 
 def run_block(graphdef, state, weights, store, first_logits_PxV, prompt_len_P, slots: Slots, fill_S, prompt_S,
-              keys_S, cap_S, eos_E, *, cfg, kernels: bool, k: int, capacity: int, pad_id: int):
+              keys_S, cap_S, eos_E, *, cfg, native: bool, k: int, capacity: int, pad_id: int, mesh=None):
   """The compiled block: insert the newcomers, then k decode steps (`lax.scan`, no host test)."""
-  choose = chooser(cfg, kernels)
-  with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights, prepare=cfg.packed_weights,
-                      weights=weights) as (model, logits_of):
+  choose = chooser(cfg, native)
+  with prepared_model(graphdef, state, cfg, native and cfg.packed_weights, prepare=cfg.packed_weights,
+                      weights=weights, mesh=mesh,
+                      decode_rows=(1, 0) if native else None) as (model, logits_of, kernels):
     rope = rope_table(model.cfg, capacity)
     slots, first = insert(slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
                           eos_E, choose, pad_id)
     step = functools.partial(decode_step, model, logits_of, rope, eos_E=eos_E, choose=choose,
-                             pad_id=pad_id)
+                             pad_id=pad_id, kernels=kernels)
     slots, steps = lax.scan(lambda c, _: step(c), slots, length=k)
   columns = [jnp.concatenate([a[:, None], b.T], axis=1) for a, b in zip(first, steps)]
   return slots, Block(*columns)
@@ -168,7 +169,7 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
   p, tp = ids_PxTp.shape
   r_count, s, k = p * g, cfg.slots, cfg.refill_every
   capacity = slot_capacity(cfg, tp, max_new)
-  kernels = sampler.uses_cpu_kernels()
+  native = sampler.uses_cpu_kernels()
   cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
   caps_R = np.full(r_count, max_new, np.int32)
   if stop_after_R is not None:
@@ -176,18 +177,16 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
   ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
 
   def prefill_program(state, ids, mask):
-    with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights,
-                        prepare=False) as (model, logits_of):
-      return prefill(model, logits_of, ids, mask, cache_dtype)
+    with prepared_model(graphdef, state, cfg, native and cfg.packed_weights, prepare=False,
+                        mesh=sampler.mesh) as (model, logits_of, kernels):
+      return prefill(model, logits_of, ids, mask, cache_dtype, kernels)
 
   store, first_logits = sampler.compiled(graphdef, f"prefill prompts={p} prompt_len={tp}",
                                          prefill_program, (state, ids, mask))(state, ids, mask)
   prompt_len_P = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-  attention = (functools.partial(cpu_kernels.decode_attention, share_rows=1, shared_slots=0)
-               if kernels else None)
-  block_fn = functools.partial(run_block, graphdef, cfg=cfg, kernels=kernels, k=k, capacity=capacity,
-                               pad_id=pad)
-  packed = kernels and cfg.packed_weights
+  block_fn = functools.partial(run_block, graphdef, cfg=cfg, native=native, k=k, capacity=capacity,
+                               pad_id=pad, mesh=sampler.mesh)
+  packed = native and cfg.packed_weights
   prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=packed)
   weights = sampler.compiled(graphdef, "prepare weights", prepare, (state,))(state)
   slots = empty_slots(nnx.merge(graphdef, state).cfg, s, capacity, cache_dtype, keys_R)
@@ -222,7 +221,7 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
     args = (state, weights, store, first_logits, prompt_len_P, slots, jnp.asarray(fill), jnp.asarray(prompt_s),
             keys_R[jnp.asarray(key_idx)], jnp.asarray(cap_s), eos_E)
     tag = f"block slots={rows} tokens={k} prompts={p} prompt_len={tp} capacity={capacity}"
-    program = sampler.compiled(graphdef, tag, block_fn, args, attention, donate=(5,))  # the slots
+    program = sampler.compiled(graphdef, tag, block_fn, args, donate=(5,))  # the slots
     slots, block = program(*args)
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))

@@ -8,6 +8,7 @@ Shape suffixes as in `rollout.sampling`; R requests, S slots.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
@@ -18,7 +19,8 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.kernels import cpu as cpu_kernels
-from epgrpo_jax.models import CausalLM, as_dtype, dense_products, matmul, merge_lora
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import CausalLM, Kernels, as_dtype, concatenated, merge_lora
 from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
 
 
@@ -103,25 +105,28 @@ def prepared_weights(model: CausalLM, packing: cpu_kernels.Packing | None) -> di
     if weights is None:
       return None
     return packing.pack(weights) if packing and packing.can_pack(weights) else \
-        cpu_kernels.concatenated(weights)
+        concatenated(weights)
   head_DxV = model.head_DxV()
   return {"groups": [prepare(w) for w in _group_weights(model)],
           "head": packing.pack([head_DxV]) if packing and packing.can_pack([head_DxV]) else None}
 
 
-def products(model: CausalLM, packing: cpu_kernels.Packing | None, weights: dict) -> tuple[dict, Callable]:
-  """(`dense_products` table, hidden [B, D] -> float32 logits) over `prepared_weights`, so the
-  loop body multiplies by ready weights instead of preparing them at every step."""
-  table = {}
-  for group, kernels, ready in zip(model.linear_groups(), _group_weights(model), weights["groups"]):
+def products(model: CausalLM, packing: cpu_kernels.Packing | None, weights: dict,
+             kernels: Kernels) -> tuple[tuple, Callable]:
+  """(`Kernels.products`, hidden [B, D] -> float32 logits) over `prepared_weights`, so the loop
+  body multiplies by ready weights instead of preparing them at every step."""
+  table = []
+  for kernels_i, ready in zip(_group_weights(model), weights["groups"]):
     if ready is None:
+      table.append(None)
       continue
-    multiply = packing.matmul if packing and packing.can_pack(kernels) else \
-        (lambda x, packed: matmul(x, packed))
-    table[tuple(map(id, group))] = functools.partial(multiply, packed=ready)
+    multiply = packing.matmul if packing and packing.can_pack(kernels_i) else \
+        (lambda x, packed: kernels.matmul(x, packed))
+    table.append(functools.partial(multiply, packed=ready))
   if weights["head"] is not None:
-    return table, functools.partial(packing.logits, packed=weights["head"])
-  return table, functools.partial(jnp.dot, b=model.head_DxV(), preferred_element_type=jnp.float32)
+    return tuple(table), functools.partial(packing.logits, packed=weights["head"])
+  return tuple(table), functools.partial(jnp.dot, b=model.head_DxV(),
+                                         preferred_element_type=jnp.float32)
 
 
 def _merged(graphdef, state, cfg, packed: bool) -> tuple[CausalLM, cpu_kernels.Packing | None]:
@@ -139,18 +144,20 @@ def weights_of(graphdef, state, cfg, packed: bool) -> dict:
 
 
 @contextlib.contextmanager
-def prepared_model(graphdef, state, cfg, packed: bool, prepare: bool = True, weights: dict | None = None):
-  """Yields (model, logits_of): the model (adapters merged when `cfg.merge_lora`), its
-  projections multiplied by weights prepared once (`prepared_weights`, here or given as
-  `weights`; with `packed`, packed for the CPU's products where it has them), and hidden
-  [B, D] -> float32 logits. `prepare` false keeps the model's own products (no second copy
-  of the weights; the head is still packed)."""
+def prepared_model(graphdef, state, cfg, packed: bool, prepare: bool = True, weights: dict | None = None,
+                   *, mesh=None, decode_rows: tuple[int, int] | None = None):
+  """Yields (model, logits_of, kernels): the model (adapters merged when `cfg.merge_lora`);
+  hidden [B, D] -> float32 logits; and the program's `Kernels` (`seam.choose` for the mesh,
+  with the C++ decode attention given `decode_rows`), whose `products` multiply the
+  projections by weights prepared once (`prepared_weights`, here or given as `weights`; with
+  `packed`, packed for the CPU's products where it has them). `prepare` false keeps the
+  model's own products (no second copy of the weights; the head is still packed)."""
   model, packing = _merged(graphdef, state, cfg, packed)
+  kernels = seam.choose(model.cfg, mesh, decode_rows=decode_rows)
   if weights is None:
     weights = prepared_weights(model, packing)
-  table, logits_of = products(model, packing, weights)
-  with dense_products(table if prepare else {}):
-    yield model, logits_of
+  table, logits_of = products(model, packing, weights, kernels)
+  yield model, logits_of, (dataclasses.replace(kernels, products=table) if prepare else kernels)
 
 
 def chooser(cfg, kernels: bool) -> Callable:

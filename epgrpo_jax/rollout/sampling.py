@@ -31,11 +31,10 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import CausalLM, as_dtype, decode_kernel, init_cache, rope_table
-from epgrpo_jax.kernels import cpu as cpu_kernels
+from epgrpo_jax.models import CausalLM, Kernels, as_dtype, init_cache, rope_table
+from epgrpo_jax.kernels import seam
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
-from epgrpo_jax.parallel.platform import mesh_backend, mesh_platform, program_platform
 from epgrpo_jax.rollout import continuous
 from epgrpo_jax.rollout.decode import (SampleOutput, block, bucket, chooser, in_blocks, left_pad,
                                        prepared_model, request_keys, round_up, stops, token_keys)
@@ -250,26 +249,25 @@ class Sampler:
                         f"{self.mesh.size} devices")
       return continuous.generate(self, graphdef, state, ids_PxTp, mask_PxTp, num_samples,
                                  request_keys(key, p, num_samples), max_new, eos, stop_after)
-    kernels = self.uses_cpu_kernels()
+    native = self.uses_cpu_kernels()
     caps_B = np.full(p * num_samples, max_new, np.int32)
     if stop_after is not None:
       caps_B = np.minimum(caps_B, np.asarray(stop_after, np.int32).reshape(-1))
     caps_B = caps_B if self.mesh is None else put(caps_B, sharding.replicated(self.mesh))
     args = (state, ids, mask, key, jnp.asarray(caps_B), eos)
     fn = functools.partial(self._generate, graphdef, part="sample", num_samples=num_samples,
-                           gen_len=n, kernels=kernels)
+                           gen_len=n, prompt_len=tp, native=native)
     program = self.compiled(graphdef, f"prompts={p} prompt_len={tp} gen_len={n} samples={num_samples}",
-                            fn, args, self._attention(kernels, num_samples, tp))
+                            fn, args)
     out = program(*args)
     if max_new < n:
       out = out.replace(tokens=out.tokens[..., :max_new], mask=out.mask[..., :max_new],
                         logp=out.logp[..., :max_new], entropy=out.entropy[..., :max_new])
     return out
 
-  def compiled(self, graphdef, tag: str, fn: Callable, args, attention: Callable | None = None,
-               donate: tuple[int, ...] = ()):
+  def compiled(self, graphdef, tag: str, fn: Callable, args, donate: tuple[int, ...] = ()):
     """`fn` jitted and compiled for `args` once per (model structure, `tag`, argument
-    signature), traced with `attention` as the decode kernel, the arguments `donate` donated
+    signature), the arguments `donate` donated
     (updated in place); shared within `shared_programs`; each compilation counted and logged."""
     leaves, treedef = jax.tree.flatten(args)
     signature = (graphdef, tag, treedef,
@@ -282,7 +280,7 @@ class Sampler:
         self._programs[signature] = program
     if program is None:
       start = time.perf_counter()
-      program = self._lower(fn, args, attention, donate)
+      program = self._lower(fn, args, donate)
       self._programs[signature] = program
       if _SHARED_PROGRAMS is not None:
         _SHARED_PROGRAMS[shared_key] = program
@@ -291,18 +289,10 @@ class Sampler:
                   time.perf_counter() - start)
     return program
 
-  def _lower(self, fn: Callable, args, attention: Callable | None, donate: tuple[int, ...] = ()):
-    """`fn` jitted and compiled for `args`, traced with `attention` as the decode kernel and for
-    the platform of the sampler's mesh (`parallel.platform`: per-backend choices follow it)."""
-    with decode_kernel(attention), program_platform(mesh_platform(self.mesh)):  # read while tracing
-      return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-
   @staticmethod
-  def _attention(kernels: bool, num_samples: int, prompt_len: int) -> Callable | None:
-    """The decode attention kernel: the C++ one with `kernels` (a prompt's Tp slots read once
-    for its G rows), else None (the model's own)."""
-    return (functools.partial(cpu_kernels.decode_attention, share_rows=num_samples,
-                              shared_slots=prompt_len) if kernels else None)
+  def _lower(fn: Callable, args, donate: tuple[int, ...] = ()):
+    """`fn` jitted and compiled for `args`."""
+    return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
 
   def prompt_sharding(self, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
     """Where the prompts [P, Tp] live on the sampler's mesh: P over data x fsdp."""
@@ -320,20 +310,14 @@ class Sampler:
     decode loop's body, no stop test inside), args (state, loop state, keys [B], caps [B], eos
     ids, rope table). `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU
     kernels) follow the mesh's devices."""
-    kernels = self.uses_cpu_kernels()
     fn = functools.partial(self._generate, graphdef, part=part, num_samples=num_samples,
-                           gen_len=gen_len, kernels=kernels)
-    return self._lower(fn, args, self._attention(kernels, num_samples, prompt_len))
+                           gen_len=gen_len, prompt_len=prompt_len, native=self.uses_cpu_kernels())
+    return self._lower(fn, args)
 
   def uses_cpu_kernels(self) -> bool:
-    """Whether the C++ kernels apply: one CPU device, and they could be built.
-
-    The attention kernel reads a prompt's Tp slots once for its G rows, which hold
-    identical copies of them.
-    """
-    one_device = self.mesh is None or self.mesh.size == 1
-    return (self.config.cpu_kernels and one_device and mesh_backend(self.mesh) == "cpu"
-            and cpu_kernels.available())
+    """Whether the sampler's C++ kernels apply (`seam.sampler_native`: `config.cpu_kernels`, one
+    CPU device, and they could be built)."""
+    return seam.sampler_native(self.mesh, self.config.cpu_kernels)
 
   # -- the compiled program -------------------------------------------------
 
@@ -342,19 +326,23 @@ class Sampler:
       return cache
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
-  def _generate(self, graphdef, state, *args, kernels: bool, num_samples: int, gen_len: int,
-                part: str = "sample"):
+  def _generate(self, graphdef, state, *args, native: bool, num_samples: int, gen_len: int,
+                prompt_len: int, part: str = "sample"):
     """`part` (`compile`) of the model's decode, `_decode`, `_prefill` or `_block`, its weights
-    prepared once here, outside the decode loop (`decode.prepared_model`; with `kernels`,
-    packed for the CPU's products)."""
+    prepared once here, outside the decode loop (`decode.prepared_model`; with `native`, packed
+    for the CPU's products, and the decode attention in C++: a prompt's `prompt_len` slots
+    read once for its `num_samples` rows, which hold identical copies of them)."""
     cfg = self.config
-    with prepared_model(graphdef, state, cfg, kernels and cfg.packed_weights,
-                        prepare=cfg.packed_weights) as (model, logits_of):
-      choose = chooser(cfg, kernels)
+    with prepared_model(graphdef, state, cfg, native and cfg.packed_weights,
+                        prepare=cfg.packed_weights, mesh=self.mesh,
+                        decode_rows=(num_samples, prompt_len) if native else None
+                        ) as (model, logits_of, kernels):
+      choose = chooser(cfg, native)
       if part == "block":
-        return self._block(model, logits_of, *args, choose=choose)
+        return self._block(model, logits_of, *args, choose=choose, kernels=kernels)
       run = self._prefill if part == "prefill" else self._decode
-      return run(model, logits_of, *args, num_samples=num_samples, gen_len=gen_len, choose=choose)
+      return run(model, logits_of, *args, num_samples=num_samples, gen_len=gen_len, choose=choose,
+                 kernels=kernels)
 
   def _emit(self, loop: _Loop, tokens_B, logp_B, entropy_B, caps_B, eos_E) -> _Loop:
     """`loop` with this step's tokens, log-probs and entropies written (pad / 0 for done rows
@@ -375,7 +363,8 @@ class Sampler:
         positions_B=loop.positions_B + 1)
 
   def _prefill(self, model: CausalLM, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
-               num_samples: int, gen_len: int, choose: Callable) -> tuple[_Loop, jax.Array]:
+               num_samples: int, gen_len: int, choose: Callable,
+               kernels: Kernels) -> tuple[_Loop, jax.Array]:
     """Prefills each prompt once into a cache with room for the first decode segment, gives
     each of its G rows a copy (every cache leaf but the scalar index has batch first) and
     draws the first token. Returns (loop state, the rows' request keys [B])."""
@@ -387,7 +376,7 @@ class Sampler:
     positions_PxTp = jnp.maximum(jnp.cumsum(mask_PxTp, axis=-1) - 1, 0).astype(jnp.int32)
     hidden_PxTpxD, cache = model(ids_PxTp, positions_PxTp, mask_PxTp,
                                  init_cache(model.cfg, p, tp + ends[0], cache_dtype),
-                                 rope_table=rope_table(model.cfg, tp + n))
+                                 rope_table=rope_table(model.cfg, tp + n), kernels=kernels)
     logits_BxV = jnp.repeat(logits_of(hidden_PxTpxD[:, -1]), g, axis=0)
     cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
     keys_B = request_keys(key, p, g)
@@ -405,34 +394,36 @@ class Sampler:
     return self._emit(loop, *choose(token_keys(keys_B, 0), logits_BxV), caps_B, eos_E), keys_B
 
   def _step(self, model: CausalLM, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
-            choose: Callable) -> _Loop:
+            choose: Callable, kernels: Kernels) -> _Loop:
     """One decode step of every row: the model over its last token with the cache, then the
     next token (row b's key `fold_in(keys_B[b], step)`). `rope_SxHd`: the `rope_table` of the
     Tp + N positions, computed once outside the decode loop."""
     b = loop.last_B.shape[0]
     hidden_Bx1xD, cache = model(loop.last_B[:, None], loop.positions_B[:, None],
-                                jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd)
+                                jnp.ones((b, 1), bool), loop.cache, rope_table=rope_SxHd,
+                                kernels=kernels)
     loop = loop.replace(cache=self._constrain_cache(cache))
     return self._emit(loop, *choose(token_keys(keys_B, loop.step), logits_of(hidden_Bx1xD[:, 0])),
                       caps_B, eos_E)
 
   def _block(self, model: CausalLM, logits_of, loop: _Loop, keys_B, caps_B, eos_E, rope_SxHd, *,
-             choose: Callable) -> _Loop:
+             choose: Callable, kernels: Kernels) -> _Loop:
     """One block of `stop_check_every` decode steps (`decode.block`), the decode loop's body."""
     step = functools.partial(self._step, model, logits_of, keys_B=keys_B, caps_B=caps_B, eos_E=eos_E,
-                             rope_SxHd=rope_SxHd, choose=choose)
+                             rope_SxHd=rope_SxHd, choose=choose, kernels=kernels)
     return block(step, self.config.stop_check_every, loop)
 
   def _decode(self, model: CausalLM, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
-              num_samples: int, gen_len: int, choose: Callable) -> SampleOutput:
+              num_samples: int, gen_len: int, choose: Callable, kernels: Kernels) -> SampleOutput:
     cfg, g, k = self.config, num_samples, self.config.stop_check_every
     p, tp = ids_PxTp.shape
     b, n = p * g, round_up(gen_len, k)
     cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
     loop, keys_B = self._prefill(model, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E,
-                                 num_samples=g, gen_len=gen_len, choose=choose)
+                                 num_samples=g, gen_len=gen_len, choose=choose, kernels=kernels)
     step = functools.partial(self._step, model, logits_of, keys_B=keys_B, caps_B=caps_B, eos_E=eos_E,
-                             rope_SxHd=rope_table(model.cfg, tp + n), choose=choose)
+                             rope_SxHd=rope_table(model.cfg, tp + n), choose=choose,
+                             kernels=kernels)
     max_new = jnp.max(caps_B)
 
     def cond(end: int, loop: _Loop):

@@ -31,7 +31,8 @@ from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.core.losses import token_logprob_entropy
 from epgrpo_jax.io.metrics import Progress
 from epgrpo_jax.io.records import read_rows
-from epgrpo_jax.models import (LORA, CausalLM, LoraConfig, from_pretrained, load_tokenizer,
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import (XLA, CausalLM, Kernels, LORA, LoraConfig, from_pretrained, load_tokenizer,
                                render_prompt, save_pretrained)
 
 
@@ -178,12 +179,12 @@ def _pad_batch(rows: Sequence[tuple[np.ndarray, int]], length: int,
 
 # ----------------------------------------------------------------------------- loss and step
 
-def sft_loss(model: CausalLM, batch: dict[str, jax.Array], chunk: int) -> jax.Array:
+def sft_loss(model: CausalLM, batch: dict[str, jax.Array], chunk: int, kernels: Kernels = XLA) -> jax.Array:
   """Mean NLL of the completion tokens: position t predicts token t + 1."""
   tokens = batch["tokens_BxT"]
   b, t = tokens.shape
   positions_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  hidden_BxTxD, _ = model(tokens, positions_BxT, batch["mask_BxT"])
+  hidden_BxTxD, _ = model(tokens, positions_BxT, batch["mask_BxT"], kernels=kernels)
   # The chunked LM head of the RL loss: no [B, T, V] logits, whatever the vocabulary.
   logp_BxT, _ = token_logprob_entropy(hidden_BxTxD[:, :-1], model.head_DxV(), tokens[:, 1:],
                                       token_chunk=chunk)
@@ -207,7 +208,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, chunk: int):
   """The jitted update over (params, opt_state, rest, batch); params and opt_state donated."""
 
   def loss_fn(params, rest, batch):
-    return sft_loss(nnx.merge(graphdef, params, rest), batch, chunk)
+    model = nnx.merge(graphdef, params, rest)
+    return sft_loss(model, batch, chunk, seam.choose(model.cfg))  # an unsharded program
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, rest, batch):

@@ -73,7 +73,7 @@ class StepParts:
     model = abstract_model(model_cfg, lora, t.seed)
     model = with_runtime_options(model, cfg.model)
     policy = Policy.from_model(model, cfg.model.full_finetune)
-    built = step_programs(cfg, policy, mesh)
+    built = step_programs(cfg, policy, mesh, model_cfg=model.cfg)
     tx, fused, shardings = built.tx, built.fused, built.shardings
     of = lambda state, where: None if state is None else abstract(state, where)
     policy = dataclasses.replace(policy, trainable=of(policy.trainable, shardings.trainable),

@@ -157,7 +157,7 @@ def custom_call_targets(hlo_text: str) -> set[str]:
 
 
 # Custom calls that belong to other backends: the project's C++ CPU kernels (FFI targets
-# `epgrpo_*`, `kernels/cpu.py`), cuDNN and cuBLAS, GPU Triton / Pallas kernels.
+# `epgrpo_*`, `kernels/cpu/`), cuDNN and cuBLAS, GPU Triton / Pallas kernels.
 FOREIGN_CALLS = re.compile(r"^(epgrpo_|__cudnn|__cublas|__gpu|cu_|triton|__triton)|triton")
 
 

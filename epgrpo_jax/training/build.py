@@ -17,6 +17,7 @@ import optax
 from epgrpo_jax.data import pipeline
 from epgrpo_jax.io.atomic import check_output_paths
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.models import ModelConfig
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rewards import parse_gold
 from epgrpo_jax.training.config import TrainConfig
@@ -101,7 +102,7 @@ class StepPrograms:
 
 
 def step_programs(cfg: TrainConfig, policy: Policy, mesh: jax.sharding.Mesh, *,
-                  warn: bool = False) -> StepPrograms:
+                  model_cfg: ModelConfig, warn: bool = False) -> StepPrograms:
   """AdamW over the run's optimizer updates, the update plan, the shardings of `policy` (its
   states, possibly abstract) on `mesh`, and the step functions over its graph."""
   t, o = cfg.train, cfg.optim
@@ -112,7 +113,7 @@ def step_programs(cfg: TrainConfig, policy: Policy, mesh: jax.sharding.Mesh, *,
   shardings = StepShardings.create(policy, tx, mesh)
   fns = StepFunctions(policy.graphdef, tx, loss_cfg=cfg.loss,
                       temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
-                      shardings=shardings, remat=cfg.model.remat,
+                      model_cfg=model_cfg, shardings=shardings, remat=cfg.model.remat,
                       adv_cfg=cfg.advantage if fused else None)
   return StepPrograms(tx, schedule, fused, shardings, fns)
 

@@ -18,7 +18,7 @@ from epgrpo_jax.data.pipeline import DataConfig
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.paths import UserPath
 from epgrpo_jax.core.losses import LossConfig
-from epgrpo_jax.models import ATTENTION, LoraConfig
+from epgrpo_jax.models import LoraConfig, check_attention
 from epgrpo_jax.rewards import RewardConfig
 from epgrpo_jax.rollout.sampling import SamplingConfig
 from epgrpo_jax.parallel.sharding import MeshConfig
@@ -43,8 +43,8 @@ class ModelRunConfig:
   # (the reference is the model with the adapters off).
   full_finetune: bool = False
   remat: bool = False  # rematerialise decoder layers in the backward pass (long sequences)
-  # auto | plain | blockwise | cudnn | cpu (auto: the C++ kernel "cpu" on CPU in float32, plain
-  # on CPU otherwise, cuDNN on GPU in bf16)
+  # auto | plain | blockwise | cudnn (auto: the C++ causal kernel on CPU in float32, plain on
+  # CPU otherwise, cuDNN on GPU in bf16, blockwise elsewhere)
   attention: str = "auto"
   attention_block: int = 512  # keys per block of the blockwise attention
   # cuDNN attention over packed rows (train.packing): the most sequences one row may hold
@@ -55,8 +55,7 @@ class ModelRunConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16"):
         raise UserError(f"model.{name}: must be float32 or bfloat16, got {getattr(self, name)!r}")
-    if self.attention not in ATTENTION:
-      raise UserError(f"model.attention: unknown {self.attention!r}; use one of {list(ATTENTION)}")
+    check_attention(self.attention)
     _positive("model", self, "attention_block")
     _positive("model", self, "attention_segments")
     if self.path != EMBEDDED:

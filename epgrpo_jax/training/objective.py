@@ -18,12 +18,13 @@ from flax import nnx
 
 from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.core import optim
-from epgrpo_jax.models import CausalLM, rope_table
+from epgrpo_jax.models import XLA, CausalLM, Kernels, lora_layers, rope_table
 from epgrpo_jax.training.advantage_program import advantage_step
 from epgrpo_jax.training.batches import CompletionBatch, Scored, UpdateBatch
 
 
 def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperature: float,
+                        kernels: Kernels = XLA,
                         adapters: bool = True, token_chunk: int = 1024,
                         vocab_chunk: int = 8192) -> tuple[jax.Array, jax.Array]:
   """Per-token log-prob and entropy of each completion under `model` ([B, N] float32).
@@ -39,7 +40,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   if rollout.packing is not None:
     p = rollout.packing
     hidden_RxLxD, _ = model(p.tokens, p.positions, p.segments > 0, adapters=adapters,
-                            segments_BxT=p.segments,
+                            segments_BxT=p.segments, kernels=kernels,
                             rope_table=rope_table(model.cfg, p.tokens.shape[1]))
     per_slot = losses.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
     mask_BxN = rollout.completion_mask
@@ -48,7 +49,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   tokens_BxL = jnp.concatenate([rollout.prompt_ids, rollout.completion], axis=1)[:, :-1]
   mask_BxL = jnp.concatenate([rollout.prompt_mask, rollout.completion_mask], axis=1)[:, :-1]
   positions_BxL = jnp.maximum(jnp.cumsum(mask_BxL, axis=1) - 1, 0)
-  hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters,
+  hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters, kernels=kernels,
                           rope_table=rope_table(model.cfg, tokens_BxL.shape[1]))
   hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
   return losses.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
@@ -56,22 +57,22 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
 
 def reference_logprobs(graphdef, trainable: nnx.State, frozen: nnx.State,
                        reference: nnx.State | None, rollout: CompletionBatch, *,
-                       temperature: float) -> jax.Array:
+                       temperature: float, kernels: Kernels = XLA) -> jax.Array:
   """The reference pass: log-probs under pi_ref (LoRA: the policy with adapters off)."""
   if reference is None:
     model = nnx.merge(graphdef, frozen, trainable)
-    return completion_logprobs(model, rollout, temperature=temperature, adapters=False)[0]
+    return completion_logprobs(model, rollout, temperature=temperature, kernels=kernels, adapters=False)[0]
   ref_model = nnx.merge(graphdef, frozen, reference)
-  return completion_logprobs(ref_model, rollout, temperature=temperature)[0]
+  return completion_logprobs(ref_model, rollout, temperature=temperature, kernels=kernels)[0]
 
 
 def score(graphdef, trainable: nnx.State, frozen: nnx.State, reference: nnx.State | None,
-          rollout: CompletionBatch, *, temperature: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+          rollout: CompletionBatch, *, temperature: float, kernels: Kernels = XLA) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The scoring pass (old log-probs, entropies) and the reference pass, in one program."""
   model = nnx.merge(graphdef, frozen, trainable)
-  logp_old, entropy = completion_logprobs(model, rollout, temperature=temperature)
+  logp_old, entropy = completion_logprobs(model, rollout, temperature=temperature, kernels=kernels)
   logp_ref = reference_logprobs(graphdef, trainable, frozen, reference, rollout,
-                                temperature=temperature)
+                                temperature=temperature, kernels=kernels)
   return logp_old, entropy, logp_ref
 
 
@@ -85,7 +86,7 @@ def make_optimizer(learning_rate: float, total_updates: int, *, warmup_ratio: fl
 
 
 def gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBatch, *,
-              loss_cfg: losses.LossConfig, temperature: float, on_policy: bool):
+              loss_cfg: losses.LossConfig, temperature: float, kernels: Kernels = XLA, on_policy: bool):
   """(loss, aux metrics, gradients) of the clipped-surrogate loss w.r.t. `trainable`.
 
   `on_policy`: the first and only update on this rollout, so pi_old = pi_theta and
@@ -95,12 +96,12 @@ def gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBa
     return logp if on_policy else batch.logp_old, batch.logp_ref, batch.advantage, None
 
   loss, aux, grads, _ = policy_gradients(graphdef, trainable, frozen, batch.rollout, terms,
-                                         loss_cfg=loss_cfg, temperature=temperature)
+                                         loss_cfg=loss_cfg, temperature=temperature, kernels=kernels)
   return loss, aux, grads
 
 
 def policy_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, rollout: CompletionBatch,
-                     terms: Callable, *, loss_cfg: losses.LossConfig, temperature: float):
+                     terms: Callable, *, loss_cfg: losses.LossConfig, temperature: float, kernels: Kernels = XLA):
   """(loss, aux, gradients, extra) of `losses.policy_loss` on the policy's forward pass.
 
   `terms(logp_BxN, entropy_BxN)`, given that forward's log-probs and entropies under
@@ -109,7 +110,7 @@ def policy_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, rollout:
   """
   def loss_fn(tr):
     model = nnx.merge(graphdef, frozen, tr)
-    logp, entropy = completion_logprobs(model, rollout, temperature=temperature)
+    logp, entropy = completion_logprobs(model, rollout, temperature=temperature, kernels=kernels)
     logp_old, logp_ref, advantage, extra = terms(*jax.lax.stop_gradient((logp, entropy)))
     loss, aux = losses.policy_loss(logp, logp_old, logp_ref, advantage,
                                    rollout.completion_mask, loss_cfg, entropy_BxT=entropy,
@@ -138,17 +139,17 @@ def apply_gradients(tx: optax.GradientTransformation, trainable: nnx.State, opt_
 
 def update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State, opt_state: Any,
            frozen: nnx.State, batch: UpdateBatch, *, loss_cfg: losses.LossConfig,
-           temperature: float, on_policy: bool):
+           temperature: float, kernels: Kernels = XLA, on_policy: bool):
   """One optimizer update with the clipped-surrogate loss: `gradients`, then `apply_gradients`."""
   loss, aux, grads = gradients(graphdef, trainable, frozen, batch, loss_cfg=loss_cfg,
-                               temperature=temperature, on_policy=on_policy)
+                               temperature=temperature, kernels=kernels, on_policy=on_policy)
   return apply_gradients(tx, trainable, opt_state, loss, aux, grads)
 
 
 def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
                     reference: nnx.State | None, rollout: CompletionBatch, rewards_PxG: jax.Array, *,
                     loss_cfg: losses.LossConfig, adv_cfg: advantages.AdvantageConfig,
-                    temperature: float):
+                    temperature: float, kernels: Kernels = XLA):
   """(loss, aux, gradients, Scored) of one on-policy update from the rollout and its rewards.
 
   The policy's forward pass is the one the loss differentiates: its log-probs and entropies
@@ -159,9 +160,9 @@ def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
   P, G = rewards_PxG.shape
   mask_BxN = rollout.completion_mask
   logp_ref = jax.lax.stop_gradient(reference_logprobs(
-      graphdef, trainable, frozen, reference, rollout, temperature=temperature))
+      graphdef, trainable, frozen, reference, rollout, temperature=temperature, kernels=kernels))
   to_groups = lambda x: x.reshape(P, G, -1)
-  same = policy_is_reference(trainable, reference)
+  same = policy_is_reference(graphdef, trainable, frozen, reference)
 
   def terms(logp_old, entropy_old):
     # While the policy is its reference (every LoRA B zero, or full fine-tuning's weights
@@ -176,34 +177,33 @@ def fused_gradients(graphdef, trainable: nnx.State, frozen: nnx.State,
     return logp_old, logp_ref_used, adv.reshape(P * G, -1), scored
 
   return policy_gradients(graphdef, trainable, frozen, rollout, terms, loss_cfg=loss_cfg,
-                          temperature=temperature)
+                          temperature=temperature, kernels=kernels)
 
 
-def policy_is_reference(trainable: nnx.State, reference: nnx.State | None) -> jax.Array:
-  """bool []: the policy equals its reference (LoRA: every B is zero; full fine-tuning: the
-  trainable weights equal the reference copy)."""
+def policy_is_reference(graphdef, trainable: nnx.State, frozen: nnx.State,
+                        reference: nnx.State | None) -> jax.Array:
+  """bool []: the policy equals its reference (LoRA: every adapter's B is zero; full
+  fine-tuning: the trainable weights equal the reference copy)."""
   if reference is not None:
     same = jax.tree.map(lambda a, b: jnp.all(a == b), trainable, reference)
     return jnp.all(jnp.stack(jax.tree.leaves(same)))
-  flat = jax.tree_util.tree_flatten_with_path(trainable)[0]
-  b = [jnp.all(x == 0) for path, x in flat
-       if "lora_b" in (getattr(k, "key", getattr(k, "name", None)) for k in path)]
-  return jnp.all(jnp.stack(b))
+  model = nnx.merge(graphdef, frozen, trainable)
+  return jnp.all(jnp.stack([jnp.all(layer.lora_b[...] == 0) for layer in lora_layers(model)]))
 
 
 def fused_update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State,
                  opt_state: Any, frozen: nnx.State, reference: nnx.State | None,
                  rollout: CompletionBatch, rewards_PxG: jax.Array, *, loss_cfg: losses.LossConfig,
-                 adv_cfg: advantages.AdvantageConfig, temperature: float):
+                 adv_cfg: advantages.AdvantageConfig, temperature: float, kernels: Kernels = XLA):
   """`fused_gradients`, then `apply_gradients`: (trainable, opt_state, metrics, Scored)."""
   loss, aux, grads, scored = fused_gradients(graphdef, trainable, frozen, reference, rollout,
                                              rewards_PxG, loss_cfg=loss_cfg, adv_cfg=adv_cfg,
-                                             temperature=temperature)
+                                             temperature=temperature, kernels=kernels)
   return (*apply_gradients(tx, trainable, opt_state, loss, aux, grads), scored)
 
 
 def accumulated_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, batch: UpdateBatch,
-                          *, micro_batches: int, loss_cfg: losses.LossConfig, temperature: float,
+                          *, micro_batches: int, loss_cfg: losses.LossConfig, temperature: float, kernels: Kernels = XLA,
                           on_policy: bool):
   """(loss, aux, grads) of `batch` computed as `micro_batches` row slices in turn (gradient
   accumulation): equal to one pass over the batch, with a k-th of its activation memory.
@@ -213,7 +213,7 @@ def accumulated_gradients(graphdef, trainable: nnx.State, frozen: nnx.State, bat
   by the denominators gives exactly the full batch's loss and gradients. Slice i takes rows
   i, i + k, ...: on a mesh each device keeps its own rows.
   """
-  grad_fn = functools.partial(gradients, graphdef, loss_cfg=loss_cfg, temperature=temperature,
+  grad_fn = functools.partial(gradients, graphdef, loss_cfg=loss_cfg, temperature=temperature, kernels=kernels,
                               on_policy=on_policy)
   if micro_batches == 1:
     return grad_fn(trainable, frozen, batch)

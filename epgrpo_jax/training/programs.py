@@ -20,9 +20,9 @@ from flax import nnx
 from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import place
-from epgrpo_jax.parallel.platform import mesh_backend, mesh_platform, program_platform
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import CausalLM, activation_constraint, one_device_program, param_rules
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import CausalLM, ModelConfig, param_rules
 from epgrpo_jax.training.batches import Scored
 from epgrpo_jax.training.objective import (accumulated_gradients, apply_gradients, fused_gradients,
                                            fused_update, reference_logprobs, score, update)
@@ -103,20 +103,6 @@ class StepShardings:
                                reference=place(policy.reference, self.reference))
 
 
-def _constrained(fn, mesh: jax.sharding.Mesh):
-  """`fn` traced with the model's hidden states kept batch-sharded over data x fsdp, and
-  knowing whether it runs on one device (`one_device_program`) and on which platform
-  (`program_platform`: the mesh's devices, which a compile check names apart from this host's)."""
-  constrain = sharding.activation_constraints(mesh)
-
-  @functools.wraps(fn)
-  def wrapped(*args):
-    with (activation_constraint(constrain), one_device_program(mesh.size == 1),
-          program_platform(mesh_platform(mesh))):
-      return fn(*args)
-  return wrapped
-
-
 class StepFunctions:
   """The jitted score, reference-only and update programs of a run (compiled once per shape).
 
@@ -148,17 +134,20 @@ class StepFunctions:
 
   def __init__(self, graphdef, tx: optax.GradientTransformation, *,
                loss_cfg: losses.LossConfig, temperature: float, on_policy: bool,
-               shardings: StepShardings | None = None, remat: bool = False,
+               model_cfg: ModelConfig, shardings: StepShardings | None = None, remat: bool = False,
                adv_cfg: advantages.AdvantageConfig | None = None):
-    on_cpu = mesh_backend(shardings.mesh if shardings else None) == "cpu"
+    mesh = shardings.mesh if shardings else None
+    kernels = seam.choose(model_cfg, mesh, constrain=True)  # once for every program here
+    on_cpu = seam.backend_of(mesh) == "cpu"
     cpu_memory = cpu_remat_options() if remat and on_cpu else None
-    score_fn = functools.partial(score, graphdef, temperature=temperature)
-    reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature)
+    score_fn = functools.partial(score, graphdef, temperature=temperature, kernels=kernels)
+    reference_fn = functools.partial(reference_logprobs, graphdef, temperature=temperature,
+                                     kernels=kernels)
     self._grads_fn = functools.partial(accumulated_gradients, graphdef, loss_cfg=loss_cfg,
-                                       temperature=temperature, on_policy=on_policy)
+                                       temperature=temperature, kernels=kernels, on_policy=on_policy)
     apply_fn = functools.partial(apply_gradients, tx)
     update_fn = functools.partial(update, graphdef, tx, loss_cfg=loss_cfg,
-                                  temperature=temperature, on_policy=on_policy)
+                                  temperature=temperature, kernels=kernels, on_policy=on_policy)
     self.shardings = shardings
     self.split_update = remat
     s = shardings
@@ -181,7 +170,7 @@ class StepFunctions:
         (s.trainable, s.opt_state, s.replicated) if s else None, donate_argnums=(0, 1))
     self.fused_program = self.fused_gradients_program = None
     if adv_cfg is not None:
-      fused_kw = dict(loss_cfg=loss_cfg, adv_cfg=adv_cfg, temperature=temperature)
+      fused_kw = dict(loss_cfg=loss_cfg, adv_cfg=adv_cfg, temperature=temperature, kernels=kernels)
       scored = Scored(*(s.rows,) * 3, *(s.replicated,) * 3) if s else None
       fused_in = (s.trainable, s.frozen, s.reference, s.rollout(), s.replicated) if s else None
       self.fused_program = jit(
@@ -274,7 +263,7 @@ def cpu_remat_options() -> dict[str, str]:
   and no common-subexpression elimination.
 
   XLA:CPU removes optimization barriers before layout assignment and runs CSE again after
-  it, so the backward pass's recomputation (`models.recompute_in_backward`) is merged with
+  it, so the backward pass's recomputation (`models.ordered_remat`, the CPU's `Kernels.remat`) is merged with
   the forward's identical values, which then stay live from the forward to the backward:
   each layer's float32 copy of its input, and a layer's recomputed MLP outputs and
   attention score blocks. The GPU compiler removes the barriers only after scheduling (TPU:
@@ -287,8 +276,7 @@ def cpu_remat_options() -> dict[str, str]:
 
 
 def _jit(fn, in_shardings, out_shardings, *, mesh, **kw):
-  """`jax.jit`, with explicit shardings and activation constraints when there is a mesh."""
+  """`jax.jit`, with explicit shardings when there is a mesh."""
   if mesh is None:
     return jax.jit(fn, **kw)
-  return jax.jit(_constrained(fn, mesh), in_shardings=in_shardings, out_shardings=out_shardings,
-                 **kw)
+  return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, **kw)

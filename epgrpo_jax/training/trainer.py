@@ -25,7 +25,8 @@ from epgrpo_jax.io import configlib
 from epgrpo_jax.io.checkpointing import Checkpointer, committed_steps
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.io.metrics import MetricsWriter
-from epgrpo_jax.models import (check_vocab, from_pretrained, load_hf_config, load_tokenizer, resolve_attention,
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import (as_dtype, check_vocab, from_pretrained, load_hf_config, load_tokenizer,
                                save_pretrained, stop_token_ids)
 from epgrpo_jax.parallel import distributed
 from epgrpo_jax.parallel.sharding import make_mesh
@@ -105,7 +106,7 @@ class Trainer:
     self.model_cfg = model.cfg
     self.model_dir = model_dir
     policy = Policy.from_model(model, cfg.model.full_finetune)
-    built = step_programs(cfg, policy, self.mesh, warn=True)
+    built = step_programs(cfg, policy, self.mesh, model_cfg=model.cfg, warn=True)
     self.tx, self.schedule, self.fused = built.tx, built.schedule, built.fused
     self.shardings, self.fns = built.shardings, built.fns
     self.policy = self.shardings.place_policy(policy)
@@ -343,7 +344,8 @@ class Trainer:
     packing = pack_micro_batches(
         host.prompt_ids, host.prompt_mask, host.completion, host.completion_mask,
         micro_batches=micro_batches, row_length=self.packing_length, multiple=shards)
-    if resolve_attention(self.model_cfg.attention, self.model_cfg.dtype) == "cudnn":
+    if seam.resolve(self.model_cfg.attention, as_dtype(self.model_cfg.dtype),
+                    seam.backend_of(self.mesh)) == "cudnn":
       check_segments(packing, self.model_cfg.attention_segments)
     return host.replace(packing=packing)
 

@@ -1,4 +1,5 @@
-"""C++ XLA FFI kernels for the CPU (the sampler's, and a bf16 matmul), built on first use.
+"""C++ XLA FFI kernels for the CPU, built on first use: the CPU backend behind the seam
+(`kernels.seam`; `kernels.cpu.backend` builds its `Kernels`).
 
 `decode_attention`: XLA:CPU runs the decode step's attention (a few hundred
 `[G, Hd] x [Hd, S]` products per layer) well below memory bandwidth, and reads
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.models import concatenated
 
 logger = logging.getLogger("epgrpo_jax.models")
 
@@ -298,11 +300,6 @@ class Packing:
   pack: Callable[[Sequence[jax.Array]], jax.Array]
   matmul: Callable[..., jax.Array]
   logits: Callable[..., jax.Array]
-
-
-def concatenated(weights: Sequence[jax.Array]) -> jax.Array:
-  """The arrays concatenated over their last axis (one array as it is)."""
-  return weights[0] if len(weights) == 1 else jnp.concatenate(weights, axis=-1)
 
 
 def _bf16_packing(unit: str) -> Packing:

@@ -1,0 +1,98 @@
+"""The seam between the model and the backends: `choose` picks a program's `Kernels` once,
+from its backend (the platform of its mesh's devices, which a compile check names apart from
+this host's), its dtype, whether it runs on one device, and the config, and the program passes
+them to the model (`model(..., kernels=...)`).
+
+Per backend (docs/architecture.md, "The kernel seam"):
+- cpu: `kernels.cpu.backend` (XLA:CPU's workarounds, and the C++ kernels where they run:
+  `native`).
+- gpu, tpu: XLA's implementations (`models.Kernels()`), attention resolved from the config.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.kernels import cpu
+from epgrpo_jax.kernels.cpu import backend as cpu_backend
+from epgrpo_jax.models import ATTENTION, Kernels, ModelConfig, as_dtype
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.parallel.platform import mesh_platform
+
+GPU = ("gpu", "cuda", "rocm")
+
+
+def backend_of(mesh: jax.sharding.Mesh | None) -> str:
+  """The platform a program on `mesh` runs on: its devices', else this process's default."""
+  return mesh_platform(mesh) or jax.default_backend()
+
+
+def one_device(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether a program on `mesh` runs on one device (without a mesh: whether the process has
+  one)."""
+  return mesh.size == 1 if mesh is not None else jax.device_count() == 1
+
+
+def native(backend: str, single_device: bool, wanted: bool = True) -> bool:
+  """Whether a program may call the C++ CPU kernels: `wanted`, on the CPU, on a single device
+  (XLA cannot shard them over a mesh), with the kernels built here (`cpu.available()`)."""
+  return wanted and backend == "cpu" and single_device and cpu.available()
+
+
+def sampler_native(mesh: jax.sharding.Mesh | None, wanted: bool) -> bool:
+  """Whether the sampler's programs on `mesh` (None: one device) run the C++ decode attention,
+  thresholds or draw and packed products (`sampling.cpu_kernels`: `wanted`)."""
+  return native(backend_of(mesh), mesh is None or mesh.size == 1, wanted)
+
+
+def resolve(name: str, dtype, backend: str) -> str:
+  """The attention implementation `name` ("auto": chosen by backend and dtype) stands for.
+
+  auto: "cudnn" on a GPU in bf16/fp16; on the CPU "cpu" (the C++ causal kernel, three times
+  XLA's plain attention at the bench shapes, docs/benchmarks.md) in float32 where the C++
+  kernels build, else "plain"; "blockwise" elsewhere (GPU in fp32, TPU), where long sequences
+  are the point.
+  """
+  if name not in ATTENTION:
+    raise UserError(f"model.attention: unknown {name!r}; use one of {list(ATTENTION)}")
+  if name == "cudnn" and backend not in GPU:
+    raise UserError(f"model.attention: cudnn runs on GPUs only; this program runs on {backend} "
+                    f"(use auto)")
+  if name != "auto":
+    return name
+  if backend == "cpu":
+    return "cpu" if jnp.dtype(dtype) == jnp.float32 and cpu.available() else "plain"
+  if backend in GPU and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    return "cudnn"
+  return "blockwise"
+
+
+def choose(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, *, constrain: bool = False,
+           decode_rows: tuple[int, int] | None = None) -> Kernels:
+  """The `Kernels` of a program running the model of `cfg` on `mesh` (None: unsharded):
+  `for_backend` of the mesh's platform (`backend_of`) and device count (`one_device`).
+  `constrain`: keep the hidden states batch-sharded over the mesh
+  (`sharding.activation_constraints`); `decode_rows`: the C++ decode attention serves
+  one-token steps (the sampler's where `sampler_native`), given (rows sharing a prompt, its
+  slots)."""
+  constrain_fn = sharding.activation_constraints(mesh) if constrain and mesh is not None else None
+  return for_backend(cfg, backend_of(mesh), one_device(mesh), constrain=constrain_fn,
+                     decode_rows=decode_rows)
+
+
+def for_backend(cfg: ModelConfig, backend: str, single_device: bool, *,
+                constrain: Callable | None = None,
+                decode_rows: tuple[int, int] | None = None) -> Kernels:
+  """The `Kernels` of a program for `backend` ("cpu", "gpu", "tpu") on one device or several:
+  the CPU's (`kernels.cpu.backend`, its C++ kernels where `native`), else XLA's; attention
+  resolved from `cfg` (`resolve`); `constrain(x, kind)`: activation sharding constraints."""
+  attention = resolve(cfg.attention, as_dtype(cfg.dtype), backend)
+  common = {"constrain": constrain} if constrain is not None else {}
+  if backend == "cpu":
+    return cpu_backend.kernels(attention=attention, native=native(backend, single_device),
+                               decode_rows=decode_rows, **common)
+  return Kernels(attention=attention, **common)
