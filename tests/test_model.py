@@ -75,7 +75,9 @@ def padded_batch(vocab: int, pads: list[int], length: int, side: str, seed: int 
 
 @nnx.jit(static_argnames="adapters")
 def _logits(model: Qwen2, tokens_BxT, positions_BxT, mask_BxT, adapters: bool = True):
-  return model.logits(model(tokens_BxT, positions_BxT, mask_BxT, adapters=adapters)[0])
+  # The kernels a program of this model gets here (`seam.choose`), as the trainer runs it.
+  return model.logits(model(tokens_BxT, positions_BxT, mask_BxT, adapters=adapters,
+                            kernels=seam.choose(model.cfg))[0])
 
 
 def ours(model: Qwen2, tokens, mask, positions, adapters: bool = True) -> np.ndarray:
