@@ -1,6 +1,6 @@
 """The LM head's log-prob + entropy, counted by XLA: FLOPs, exponentials and temporaries.
 
-Compiles (never runs) `core.losses.token_logprob_entropy` forward, its gradient wrt the
+Compiles (never runs) `core.token_stats.token_logprob_entropy` forward, its gradient wrt the
 hidden states only (LoRA: the head is frozen) and wrt hidden states and head (full
 fine-tuning), and prints from the optimized HLO (`models.flops.hlo_counts`: each loop body times
 its trip count) the dot FLOPs in units of one head pass (2 N D V) and the exponentials per
@@ -19,13 +19,13 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from epgrpo_jax.core import losses
+from epgrpo_jax.core import token_stats
 from epgrpo_jax.models import flops
 
 
 def program(kind: str, n: int, d: int, v: int, tc: int, vc: int):
   """The compiled program of `kind` (forward | grad_hidden | grad_both) on float32 shapes."""
-  fn = lambda h, w, t: losses.token_logprob_entropy(h, w, t, token_chunk=tc, vocab_chunk=vc)
+  fn = lambda h, w, t: token_stats.token_logprob_entropy(h, w, t, token_chunk=tc, vocab_chunk=vc)
 
   def objective(h, w, t):
     logp, entropy = fn(h, w, t)

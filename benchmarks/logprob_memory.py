@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from epgrpo_jax.core import losses
+from epgrpo_jax.core import token_stats
 
 GIB = 2 ** 30
 
@@ -51,13 +51,13 @@ def main():
   a = parser.parse_args()
   dtype = jnp.dtype(a.dtype)
 
-  chunked = lambda h, w, t: losses.token_logprob_entropy(
+  chunked = lambda h, w, t: token_stats.token_logprob_entropy(
       h, w, t, vocab_chunk=a.vocab_chunk, token_chunk=a.token_chunk)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; B={a.batch} T={a.tokens} "
         f"D={a.hidden} V={a.vocab}; hidden/head {a.dtype}, float32 math; "
         f"chunks: {a.token_chunk} tokens x {a.vocab_chunk} vocab")
   rows = {}
-  for name, fn in (("chunked", chunked), ("naive", losses.naive_token_logprob_entropy)):
+  for name, fn in (("chunked", chunked), ("naive", token_stats.naive_token_logprob_entropy)):
     mem, seconds = compile_grad(fn, a.batch, a.tokens, a.hidden, a.vocab, dtype)
     rows[name] = mem
     print(f"compiled {name} in {seconds:.1f} s")

@@ -20,7 +20,7 @@ _LAZY = {
     "compute_advantages": "epgrpo_jax.core.advantages",
     "LossConfig": "epgrpo_jax.core.losses",
     "policy_loss": "epgrpo_jax.core.losses",
-    "token_logprob_entropy": "epgrpo_jax.core.losses",
+    "token_logprob_entropy": "epgrpo_jax.core.token_stats",
     "TrainConfig": "epgrpo_jax.training.config",
     "load_config": "epgrpo_jax.training.config",
     "Sampler": "epgrpo_jax.rollout.sampling",

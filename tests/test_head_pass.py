@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from epgrpo_jax.core.losses import naive_token_logprob_entropy, token_logprob_entropy
+from epgrpo_jax.core.token_stats import naive_token_logprob_entropy, token_logprob_entropy
 from epgrpo_jax.models.flops import hlo_counts
 
 N, D, V = 256, 32, 2048  # 2 token chunks x 4 vocabulary chunks below

@@ -14,8 +14,8 @@ from absl.testing import parameterized
 from hypothesis import given
 from hypothesis import strategies as st
 
-from epgrpo_jax.core.losses import (AGGREGATIONS, LossConfig, naive_token_logprob_entropy, policy_loss,
-                               token_logprob_entropy)
+from epgrpo_jax.core.losses import AGGREGATIONS, LossConfig, policy_loss
+from epgrpo_jax.core.token_stats import naive_token_logprob_entropy, token_logprob_entropy
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 from epgrpo_jax.core import optim
 from epgrpo_jax.io.errors import MissingFileError, UserError
-from epgrpo_jax.core.losses import token_logprob_entropy
+from epgrpo_jax.core.token_stats import token_logprob_entropy
 from epgrpo_jax.io.metrics import Progress
 from epgrpo_jax.io.records import read_rows
 from epgrpo_jax.kernels import seam

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from epgrpo_jax.core import advantages, losses
+from epgrpo_jax.core import advantages, losses, token_stats
 from epgrpo_jax.core import optim
 from epgrpo_jax.models import XLA, CausalLM, Kernels, lora_layers, rope_table
 from epgrpo_jax.training.advantage_program import advantage_step
@@ -42,7 +42,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
     hidden_RxLxD, _ = model(p.tokens, p.positions, p.segments > 0, adapters=adapters,
                             segments_BxT=p.segments, kernels=kernels,
                             rope_table=rope_table(model.cfg, p.tokens.shape[1]))
-    per_slot = losses.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
+    per_slot = token_stats.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
     mask_BxN = rollout.completion_mask
     return tuple(jnp.where(mask_BxN, x_RxL.reshape(-1)[p.index], 0.0) for x_RxL in per_slot)
   tp = rollout.prompt_ids.shape[1]
@@ -52,7 +52,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters, kernels=kernels,
                           rope_table=rope_table(model.cfg, tokens_BxL.shape[1]))
   hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
-  return losses.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
+  return token_stats.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
 
 
 def reference_logprobs(graphdef, trainable: nnx.State, frozen: nnx.State,
