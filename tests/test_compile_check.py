@@ -116,6 +116,8 @@ def test_a_plain_cpu_run_stays_silent_with_libtpu_installed():
     (["--topology", "v5e:3x3"], "--topology: 'v5e:3x3'"),
     (["--topology", "nonsense"], "--topology: 'nonsense'"),
     (["--topology", "v5e:2x2", "mesh.data=3"], "mesh: data*fsdp*tensor = 3 but there are 4"),
+    (["--topology", "v5e:2x2", "--sampler-mesh", "tensor=3"],
+     "--sampler-mesh: mesh: fixed axes (3 devices) do not divide the 4 devices"),
 ])
 def test_bad_topology_or_mesh_is_one_line_exit_2(argv, message):
   done = _cli(*argv, *TINY)
@@ -141,7 +143,8 @@ def no_compilation_cache():
 @needs_libtpu
 @pytest.mark.usefixtures("no_compilation_cache")
 @pytest.mark.parametrize("mesh_devices, overrides", [
-    (4, ["train.packing=true"]),  # fused update, packed, data over 4 chips
+    # fused update, packed, FSDP over 4 chips; the sampler on its own mesh, weights replicated
+    (4, ["train.packing=true", "mesh.data=1", "mesh.fsdp=4", "--sampler-mesh", "data=4"]),
     (1, ["train.fused_update=false", "train.grad_accumulation=2", "model.remat=true",
          "model.dtype=bfloat16"]),  # one chip: where the CPU kernels would be chosen on a CPU
 ])
@@ -163,6 +166,47 @@ def test_tiny_step_compiles_for_v5e_2x2_without_foreign_custom_calls(mesh_device
   assert measured["decode block 0"].runs == 1 and measured["decode block 1"].runs == 1
   summary = check.summary(list(measured.values()))
   assert "estimated step" in summary and "/ 8 steps" in summary and "a token" in summary
+  assert "MFU (models.flops)" in summary
+  if mesh_devices == 4:  # weights replicated on the sampler's mesh: a decode step gathers none
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(check.parts.sampler_state))
+    assert check.sampler_weights_bytes == whole > check.weights_bytes, check.describe()
+    for name in ("decode block 0", "decode block 1"):
+      assert measured[name].gathered == 0 and "all-gather" not in measured[name].hlo
+
+
+@needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_decode_on_the_fsdp_training_mesh_all_gathers():
+  """Without a sampler mesh the sampler runs on the training mesh: under FSDP a decode block
+  all-gathers (the test above: on a mesh of its own with replicated weights it gathers none)."""
+  devices = tpu_costs.topology_devices("v5e:2x2")
+  args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "mesh.data=1", "mesh.fsdp=4"])
+  check = compile_check.CompileCheck.create(args, devices)
+  assert check.sampler_weights_bytes == check.weights_bytes
+  decode = dict(check.programs())["decode block 0"]()
+  assert decode.gathered > 0 and "all-gather" in decode.hlo
+
+
+@needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_loops_are_costed_by_their_trip_counts():
+  """XLA's cost analysis counts a loop body once; `measure` counts it by its trip count: a loop
+  of 10 [256, 256] x [256, 256] products is 10 x 2 x 256^3 FLOPs, and the compiler's time and
+  bytes scale by 10 (no product outside the loop), the MFU their ratio."""
+  device = tpu_costs.topology_devices("v5e:2x2")[0]
+  x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16,
+                           sharding=jax.sharding.SingleDeviceSharding(device))
+  loop = jax.jit(lambda a, w: jax.lax.fori_loop(0, 10, lambda i, a: jnp.tanh(a @ w), a))
+  compiled = loop.lower(x, x).compile()
+  m = tpu_costs.measure("loop", compiled, tpu_costs.chip_of([device]))
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  assert cost["flops"] < 2 * 2 * 256 ** 3  # the compiler's count: one body
+  assert m.flops == 10 * 2 * 256 ** 3
+  assert m.seconds == pytest.approx(10 * cost["optimal_seconds"], rel=1e-9)
+  assert m.bytes_accessed == pytest.approx(10 * cost["bytes accessed"], rel=1e-9)
+  assert m.mfu == pytest.approx(m.flops / (m.seconds * 197e12), rel=1e-9)
+  assert "10.0x the once-per-body cost" in m.note
 
 
 @needs_libtpu

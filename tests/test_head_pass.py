@@ -23,7 +23,8 @@ def test_hlo_counts_multiplies_loop_bodies():
     return jax.lax.fori_loop(0, 5, lambda i, a: a + jnp.exp((x * i) @ w), jnp.zeros((8, 6)))
 
   text = jax.jit(f).lower(jnp.ones((8, 4)), jnp.ones((4, 6))).compile().as_text()
-  assert hlo_counts(text) == {"dot_flops": 1920.0, "exp": 240.0}
+  assert hlo_counts(text) == {"dot_flops": 1920.0, "exp": 240.0, "all_gather_bytes": 0.0}
+  assert hlo_counts(text, loops=False) == {"dot_flops": 384.0, "exp": 48.0, "all_gather_bytes": 0.0}
 
 
 def _compiled_counts(argnums):

@@ -194,28 +194,79 @@ def _operand_dims(lines: list[str], operand: str, hlo_text: str) -> list[int]:
   return _dims(re.search(rf"\b{re.escape(operand)}: [a-z]+[0-9]*\[([0-9,]*)\]", hlo_text).group(1))
 
 
-def hlo_counts(hlo_text: str) -> dict[str, float]:
-  """{"dot_flops", "exp"} of an optimized HLO module's text (`compiled.as_text()`): 2 x the
-  multiply-adds of every dot and the elements of every exponential, each loop body counted
-  `known_trip_count` times (XLA's `cost_analysis()` counts a loop's body once)."""
-  comps = _computations(hlo_text)
+def _conv_flops(ins: str, lines: list[str], hlo_text: str, out: list[int]) -> float:
+  """2 x the multiply-adds of a `convolution` (the TPU compiler writes dots as convolutions):
+  each output element sums over the kernel's input features and window."""
+  rhs_name = re.search(r"convolution\(%?[\w.\-]+, %?([\w.\-]+)\)", ins).group(1)
+  rhs = _operand_dims(lines, rhs_name, hlo_text)
+  rhs_labels = re.search(r"dim_labels=[^_]*_([^-]*)->", ins).group(1)
+  summed = [d for d, label in zip(rhs, rhs_labels) if label == "i" or label.isdigit()]
+  return 2.0 * math.prod(out) * math.prod(summed)
 
-  def count(comp: str) -> tuple[float, float]:
-    flops = exps = 0.0
+
+def _trip_count(ins: str, comps: dict[str, list[str]]) -> int:
+  """A while loop's trip count: XLA's `known_trip_count` where the compiler wrote it (CPU,
+  GPU), else read from its condition `counter < constant` (the TPU compiler's text; the
+  counter of jax's loops starts at 0). 1 when neither is there."""
+  known = re.search(r'known_trip_count":\{"n":"([0-9]+)"', ins)
+  if known:
+    return int(known.group(1))
+  cond = comps.get(re.search(r"condition=%?([\w.\-]+)", ins).group(1), [])
+  root = next((c for c in cond if c.startswith("ROOT") and " compare(" in c and "direction=LT" in c),
+              None)
+  if root is None:
+    return 1
+  bound = re.search(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\)", root).group(1)
+  value = next((re.search(r"constant\((-?[0-9]+)\)", c) for c in cond
+                if c.startswith(f"%{bound} =") or c.startswith(f"{bound} =")), None)
+  return max(int(value.group(1)), 1) if value else 1
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+          "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _gathered_bytes(ins: str) -> float:
+  """Bytes an all-gather (or its async start) writes: its result's largest array (a start's
+  result tuple holds its operand and its result)."""
+  result = ins.split(" all-gather", 1)[0]
+  return max((_BYTES.get(t, 4) * math.prod(_dims(d))
+              for t, d in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", result)), default=0)
+
+
+def hlo_counts(hlo_text: str, loops: bool = True) -> dict[str, float]:
+  """{"dot_flops", "exp", "all_gather_bytes"} of an optimized HLO module's text
+  (`compiled.as_text()`): 2 x the multiply-adds of every dot (or convolution, as the TPU
+  compiler writes dots), the elements of every exponential and the bytes every all-gather
+  writes (per device), each loop body counted its trip count times (XLA's `cost_analysis()`
+  counts a loop's body once), or once with `loops=False`."""
+  comps = _computations(hlo_text)
+  done: dict[str, np.ndarray] = {}
+
+  def count(comp: str) -> np.ndarray:
+    if comp not in done:
+      done[comp] = body(comp)
+    return done[comp]
+
+  def body(comp: str) -> np.ndarray:
+    flops = exps = gathered = 0.0
+    inner = np.zeros(3)
     for ins in comps.get(comp, []):
       out = _SHAPE.search(ins)
       if " dot(" in ins and out:
         lhs = _operand_dims(comps[comp], re.search(r"dot\(%?([\w.\-]+)", ins).group(1), hlo_text)
         contract = _dims(re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins).group(1))
         flops += 2.0 * math.prod(_dims(out.group(1))) * math.prod(lhs[i] for i in contract)
+      elif " convolution(" in ins and out:
+        flops += _conv_flops(ins, comps[comp], hlo_text, _dims(out.group(1)))
       elif " exponential(" in ins and out:
         exps += math.prod(_dims(out.group(1)))
-      trips = re.search(r'known_trip_count":\{"n":"([0-9]+)"', ins) if " while(" in ins else None
+      elif re.search(r" all-gather(-start)?\(", ins):
+        gathered += _gathered_bytes(ins)
+      trips = _trip_count(ins, comps) if " while(" in ins and loops else 1
       for callee in _CALLEES.findall(ins):
-        f, e = count(callee)
-        flops += (int(trips.group(1)) if trips else 1) * f
-        exps += (int(trips.group(1)) if trips else 1) * e
-    return flops, exps
+        inner += trips * count(callee)
+    return inner + (flops, exps, gathered)
 
-  flops, exps = count("ENTRY")
-  return {"dot_flops": flops, "exp": exps}
+  flops, exps, gathered = count("ENTRY")
+  return {"dot_flops": float(flops), "exp": float(exps), "all_gather_bytes": float(gathered)}

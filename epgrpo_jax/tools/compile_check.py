@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import sys
 import time
 
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, "
                  "v5e:4x4")
   p.add_argument("--chips-per-host", help="chips per host as AxB[xC] (libtpu's default 2x2x1)")
+  p.add_argument("--sampler-mesh", help="the sampler's own mesh over the same chips, as "
+                 "axis=size[,axis=size] (e.g. tensor=8: weights split over tensor; data=8: "
+                 "replicated); default: the training mesh (FSDP gathers every weight each token)")
   p.add_argument("--preset", help="model preset for the shapes (e.g. qwen2.5-3b) instead of "
                  "model.path's config.json")
   p.add_argument("--prompt-tokens", type=int, default=256, help="real tokens per prompt (256)")
@@ -40,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  help="tokens per completion (0: sampling.max_new_tokens)")
   p.add_argument("--skip", default="", help="comma-separated programs not to compile: sampler, "
                  "prefill, decode, score, advantage, update")
+  p.add_argument("--hlo-dir", type=path_flag, help="write each compiled program's optimised HLO "
+                 "text here (PROGRAM.hlo)")
   p.add_argument("--debug", action="store_true", help="tracebacks and debug logs")
   p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
   return p.parse_intermixed_args(argv)
@@ -75,11 +81,35 @@ def run(args: argparse.Namespace) -> int:
       too_big.append(name)
       continue
     measured.append(m)
+    if args.hlo_dir:
+      write_hlo(args.hlo_dir, m)
     print(tpu_costs.row(m), f"[{time.perf_counter() - start:.0f}s]", flush=True)
   print(check.summary(measured))
   if too_big:
     print(f"DOES NOT FIT: {', '.join(too_big)} (the compiler ran out of HBM)")
   return 1 if too_big else 0
+
+
+def sampler_mesh_config(text: str):
+  """`--sampler-mesh` "axis=size[,axis=size]" as a `MeshConfig` (unnamed axes: data -1, fsdp 1,
+  tensor 1)."""
+  from epgrpo_jax.parallel.sharding import MESH_AXES, MeshConfig
+  sizes = {}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, _, size = part.partition("=")
+    if name not in MESH_AXES or not size.lstrip("-").isdigit():
+      raise UserError(f"expected axis=size[,axis=size] over {', '.join(MESH_AXES)}; "
+                       f"got {text!r}")
+    sizes[name] = int(size)
+  return MeshConfig(**sizes)
+
+
+def write_hlo(directory, m) -> None:
+  """`m`'s optimised HLO text as DIRECTORY/NAME.hlo (the name's spaces and signs as `_`)."""
+  from pathlib import Path
+  out = Path(directory)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / (re.sub(r"[^\w.-]+", "_", m.name).strip("_") + ".hlo")).write_text(m.hlo)
 
 
 @dataclasses.dataclass
@@ -93,6 +123,7 @@ class CompileCheck:
   prompt_tokens: int
   completion_tokens: int
   hosts: int
+  sampler_mesh: object = None  # None: the training mesh
 
   @classmethod
   def create(cls, args, devices) -> "CompileCheck":
@@ -117,8 +148,14 @@ class CompileCheck:
       raise UserError(f"--completion-tokens: {completion} exceeds sampling.max_new_tokens "
                        f"{cfg.sampling.max_new_tokens}")
     mesh = make_mesh(cfg.mesh, devices)
+    sampler_mesh = None
+    if args.sampler_mesh:
+      try:
+        sampler_mesh = make_mesh(sampler_mesh_config(args.sampler_mesh), devices)
+      except UserError as e:
+        raise UserError(f"--sampler-mesh: {e}") from None
     return cls(cfg, model_cfg, mesh, tpu_costs.chip_of(devices), args.prompt_tokens, completion,
-               tpu_costs.hosts_of(devices))
+               tpu_costs.hosts_of(devices), sampler_mesh)
 
   def describe(self) -> str:
     t, c = self.cfg.train, self.chip
@@ -130,7 +167,10 @@ class CompileCheck:
             f"{self.cfg.sampling.max_new_tokens}), packing {t.packing}, remat "
             f"{self.cfg.model.remat}, grad_accumulation {t.grad_accumulation}, dtype "
             f"{self.cfg.model.dtype}/{self.cfg.model.param_dtype}\n"
-            f"per device: weights {self.weights_bytes / 2 ** 30:.2f} GiB")
+            f"per device: weights {self.weights_bytes / 2 ** 30:.2f} GiB; sampler mesh "
+            f"{dict(self.parts.sampler_mesh.shape)}"
+            f"{' (the training mesh)' if self.sampler_mesh is None else ''}, its weights "
+            f"{self.sampler_weights_bytes / 2 ** 30:.2f} GiB")
 
   # -- the trainer's objects, abstract -----------------------------------------------------
 
@@ -138,12 +178,19 @@ class CompileCheck:
   def parts(self):
     from epgrpo_jax.tools import step_abstract
     return step_abstract.StepParts.create(self.cfg, self.model_cfg, self.mesh,
-                                          self.prompt_tokens, self.completion_tokens)
+                                          self.prompt_tokens, self.completion_tokens,
+                                          self.sampler_mesh)
 
   @property
   def weights_bytes(self) -> int:
     from epgrpo_jax.tools.tpu_costs import per_device_bytes
     return per_device_bytes((self.parts.trainable, self.parts.frozen))
+
+  @property
+  def sampler_weights_bytes(self) -> int:
+    """The weights one device holds for the sampler: what one decode step must read at least."""
+    from epgrpo_jax.tools.tpu_costs import per_device_bytes
+    return per_device_bytes(self.parts.sampler_state)
 
   def programs(self):
     """(name, () -> Measured) of each program of one step, in the order a step runs them."""
@@ -180,19 +227,38 @@ class CompileCheck:
     steps) against the weight read one token's step needs."""
     step = sum(m.runs * m.seconds for m in measured)
     peak = max((m.total for m in measured), default=0)
-    lines = [f"estimated step: {step:.2f} s (the compiler's optimal_seconds x runs; sampling "
+    lines = [f"estimated step: {step:.2f} s (each program's estimated time x its runs; sampling "
              f"runs whole decode blocks to the longest completion)",
              f"largest per-device memory: {peak / 2 ** 30:.2f} GiB of "
              f"{self.chip.hbm_bytes / 2 ** 30:.0f} GiB: "
              f"{'fits' if peak <= self.chip.hbm_bytes else 'DOES NOT FIT'}"]
-    read = self.weights_bytes / self.chip.hbm_bandwidth
+    lines += self.update_mfu(measured)
+    read = self.sampler_weights_bytes / self.chip.hbm_bandwidth
     k = self.parts.block_steps
     for m in measured:
       if m.name.startswith("decode block"):
         token = m.seconds / k
         lines.append(f"{m.name}: {m.seconds * 1e3:.3f} ms a block / {k} steps = {token * 1e3:.3f} ms "
-                     f"a token = {token / read:.2f} x the weight read ({read * 1e3:.3f} ms)")
+                     f"a token = {token / read:.2f} x the read of its weights ({read * 1e3:.3f} ms)")
     return "\n".join(lines)
+
+  def update_mfu(self, measured) -> list[str]:
+    """The update's MFU by the one FLOP model (`models.flops.step`: model FLOPs, what the
+    trainer's `perf/mfu` counts) over its estimated time, beside the compiled FLOPs."""
+    from epgrpo_jax.models import flops
+    update = [m for m in measured if m.name.startswith("update")]
+    seconds = sum(m.runs * m.seconds for m in update)
+    if not update or seconds <= 0:
+      return []
+    t = self.cfg.train
+    model = flops.step(self.model_cfg, [self.prompt_tokens] * t.prompts_per_step,
+                       [self.completion_tokens] * self.parts.rows, t.num_generations,
+                       full_finetune=self.cfg.model.full_finetune, fused=self.parts.fused,
+                       iterations=t.num_iterations)["update"].total / self.mesh.size
+    compiled = sum(m.runs * m.flops for m in update)
+    return [f"update: {model / 1e12:.1f} model TFLOP per chip in {seconds:.2f} s = "
+            f"{model / (seconds * self.chip.peak_flops):.1%} MFU (models.flops); compiled "
+            f"{compiled / 1e12:.1f} TFLOP per chip (recomputation and padding included)"]
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ class StepParts:
   shardings: StepShardings
   tx: Any  # optax.GradientTransformation
   fns: StepFunctions
-  sampler: Sampler
+  sampler: Sampler  # on `sampler_mesh`
+  sampler_mesh: jax.sharding.Mesh  # the training mesh, or the sampler's own over its devices
   fused: bool
   prompt_slots: int
   prompt_tokens: int
@@ -66,7 +67,10 @@ class StepParts:
   packing_length: int
 
   @classmethod
-  def create(cls, cfg, model_cfg, mesh, prompt_tokens: int, completion_tokens: int) -> "StepParts":
+  def create(cls, cfg, model_cfg, mesh, prompt_tokens: int, completion_tokens: int,
+             sampler_mesh: jax.sharding.Mesh | None = None) -> "StepParts":
+    """`sampler_mesh`: a mesh of the same devices for the sampler's programs (its weights laid
+    out by the same rules on it), or None: the training mesh, as the trainer samples today."""
     t = cfg.train
     check_rows(t, mesh)
     lora = None if cfg.model.full_finetune else cfg.lora
@@ -79,10 +83,12 @@ class StepParts:
     policy = dataclasses.replace(policy, trainable=of(policy.trainable, shardings.trainable),
                                  frozen=of(policy.frozen, shardings.frozen),
                                  reference=of(policy.reference, shardings.reference))
-    sampler = Sampler(cfg.sampling, eos_ids=model_cfg.eos_ids or (0,), pad_id=0, mesh=mesh)
+    sampler_mesh = mesh if sampler_mesh is None else sampler_mesh
+    sampler = Sampler(cfg.sampling, eos_ids=model_cfg.eos_ids or (0,), pad_id=0, mesh=sampler_mesh)
     prompt_slots = bucket(prompt_tokens, cfg.sampling.prompt_buckets)
     packing_length = t.packing_length or prompt_tokens + cfg.sampling.max_new_tokens
-    return cls(cfg, model_cfg, mesh, policy, shardings, tx, built.fns, sampler, fused, prompt_slots,
+    return cls(cfg, model_cfg, mesh, policy, shardings, tx, built.fns, sampler, sampler_mesh, fused,
+               prompt_slots,
                prompt_tokens, completion_tokens, packing_length)
 
   # -- abstract arguments ------------------------------------------------------------------
@@ -189,13 +195,18 @@ class StepParts:
 
   @functools.cached_property
   def sampler_state(self):
-    return nnx.merge_state(self.frozen, self.trainable)
+    """The policy's weights where the sampler reads them: on the training mesh as they are, or
+    laid out on the sampler's mesh (`sharding.state_shardings`)."""
+    state = nnx.merge_state(self.frozen, self.trainable)
+    if self.sampler_mesh is self.mesh:
+      return state
+    return abstract(state, sharding.state_shardings(state, self.sampler_mesh))
 
   def _sampler_args(self, part: str):
     t = self.cfg.train
     p = t.prompts_per_step
     where = self.sampler.prompt_sharding((p, self.prompt_slots))
-    rep = sharding.replicated(self.mesh)
+    rep = sharding.replicated(self.sampler_mesh)
     ids = jax.ShapeDtypeStruct((p, self.prompt_slots), jnp.int32, sharding=where)
     mask = jax.ShapeDtypeStruct((p, self.prompt_slots), jnp.bool_, sharding=where)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -233,14 +244,14 @@ class StepParts:
 
   def decode_block_program(self, slots: int):
     """One block of `block_steps` decode steps over a cache of `slots` slots, compiled."""
-    rep = sharding.replicated(self.mesh)
+    rep = sharding.replicated(self.sampler_mesh)
     loop, keys = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
                               self._prefill_loop)
     b = loop.last_B.shape[0]
     s = self.cfg.sampling
     cache_dtype = as_dtype(s.cache_dtype) if s.cache_dtype else None
     cache = jax.eval_shape(lambda: init_cache(self.model_cfg, b, slots, cache_dtype))
-    loop = loop.replace(cache=abstract(cache, sharding.cache_shardings(cache, self.mesh)))
+    loop = loop.replace(cache=abstract(cache, sharding.cache_shardings(cache, self.sampler_mesh)))
     n = round_up(self.gen_len, self.block_steps)
     rope = jax.eval_shape(lambda: rope_table(self.model_cfg, self.prompt_slots + n))
     *_, caps, eos = self._sampler_args("prefill")

@@ -103,6 +103,8 @@ class Measured:
   runs: float = 1.0  # times per RL step
   note: str = ""
   loops: int = 0  # while loops in the program: XLA's cost analysis counts each body once
+  gathered: float = 0.0  # bytes all-gathered per device, loops by their trip counts
+  hlo: str = dataclasses.field(default="", repr=False)  # the optimised module's text
 
   @property
   def total(self) -> int:
@@ -123,27 +125,39 @@ class Measured:
 
 
 def measure(name: str, compiled, chip: Chip, *, runs: float = 1.0, note: str = "") -> Measured:
-  """XLA's per-device memory and cost analyses of `compiled`. Where the compiler gives no
-  time estimate (a negative `optimal_seconds`), the roofline max(flops / peak, bytes /
-  bandwidth) stands in, and the note says so."""
+  """XLA's per-device memory and cost analyses of `compiled`, with loops counted by their trip
+  counts. XLA's cost analysis costs each `while` body once; the FLOPs here are the module's
+  dot FLOPs with every loop body times its trip count (`models.flops.hlo_counts`), and the
+  compiler's time and bytes are scaled by the same factor (loop-aware / once-per-body dot
+  FLOPs), which takes a loop's share of time and bytes to be its share of the FLOPs. Where
+  the compiler gives no time estimate (a negative `optimal_seconds`), the roofline
+  max(flops / peak, bytes / bandwidth) stands in, and the note says so."""
+  from epgrpo_jax.models.flops import hlo_counts
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+  text = compiled.as_text()
   flops, moved = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   seconds = float(cost.get("optimal_seconds", -1.0))
-  if seconds <= 0:
+  counts = hlo_counts(text)
+  dots, once = counts["dot_flops"], hlo_counts(text, loops=False)["dot_flops"]
+  repeat = dots / once if once > 0 else 1.0
+  flops, moved = (dots if dots > 0 else flops), moved * repeat
+  if seconds > 0:
+    seconds *= repeat
+  else:
     seconds = max(flops / chip.peak_flops, moved / chip.hbm_bandwidth)
     note = "; ".join(filter(None, [note, "no compiler estimate: roofline time"]))
-  text = compiled.as_text()
   foreign = foreign_calls(text)
   if foreign:
     note = "; ".join(filter(None, [note, f"FOREIGN CUSTOM CALLS {sorted(foreign)}"]))
   loops = len(while_loops(text))
-  if loops:
-    note = "; ".join(filter(None, [note, f"{loops} loops, each body costed once"]))
+  if repeat > 1.0001:
+    note = "; ".join(filter(None, [note, f"loop bodies x trip counts: {repeat:.1f}x the "
+                                         f"once-per-body cost"]))
   return Measured(name, mem.argument_size_in_bytes, mem.output_size_in_bytes,
                   mem.alias_size_in_bytes, mem.temp_size_in_bytes, flops, moved, seconds, chip,
-                  runs, note, loops)
+                  runs, note, loops, counts["all_gather_bytes"], text)
 
 
 def while_loops(hlo_text: str) -> list[str]:
@@ -185,13 +199,14 @@ def gib(n: float) -> str:
 
 
 HEADER = (f"{'program':<28} {'args':>7} {'out':>7} {'temp':>7} {'total':>7} {'HBM':>5} "
-          f"{'GFLOP':>10} {'GB acc':>8} {'est ms':>9} {'MFU':>6} {'BW':>5}  note")
+          f"{'GFLOP':>10} {'GB acc':>8} {'GB AG':>7} {'est ms':>9} {'MFU':>6} {'BW':>5}  note")
 
 
 def row(m: Measured) -> str:
-  """One program's line: memory in GiB per device (against the chip's HBM), cost, implied
-  MFU and HBM bandwidth use at the compiler's estimated time."""
+  """One program's line: memory in GiB per device (against the chip's HBM), cost (FLOPs, bytes
+  accessed, bytes all-gathered), the estimated time and the MFU and HBM bandwidth use it
+  implies."""
   return (f"{m.name:<28} {gib(m.argument):>7} {gib(m.output):>7} {gib(m.temp):>7} "
           f"{gib(m.total):>7} {m.total / m.chip.hbm_bytes:>5.0%} {m.flops / 1e9:>10.1f} "
-          f"{m.bytes_accessed / 1e9:>8.2f} {m.seconds * 1e3:>9.3f} {m.mfu:>6.1%} "
+          f"{m.bytes_accessed / 1e9:>8.2f} {m.gathered / 1e9:>7.3f} {m.seconds * 1e3:>9.3f} {m.mfu:>6.1%} "
           f"{m.bandwidth_use:>5.0%}  {'' if m.fits else 'DOES NOT FIT; '}{m.note}")
