@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from epgrpo_jax.models import abstract_model, as_dtype, init_cache, rope_table
+from epgrpo_jax.models import abstract_model, as_dtype, init_cache, param_rules, rope_table
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rollout.sampling import Sampler, bucket, round_up, segment_ends
 from epgrpo_jax.training.advantage_program import AdvantageProgram
@@ -200,7 +200,8 @@ class StepParts:
     state = nnx.merge_state(self.frozen, self.trainable)
     if self.sampler_mesh is self.mesh:
       return state
-    return abstract(state, sharding.state_shardings(state, self.sampler_mesh))
+    rules = param_rules(self.model_cfg)
+    return abstract(state, sharding.state_shardings(state, self.sampler_mesh, rules))
 
   def _sampler_args(self, part: str):
     t = self.cfg.train
