@@ -217,3 +217,14 @@ def test_two_host_slice_compiles_from_the_command_line():
   assert "v5e x 8 (2 hosts)" in done.stdout and "'fsdp': 4" in done.stdout
   assert "update fused" in done.stdout and "FOREIGN" not in done.stdout
   assert "estimated step:" in done.stdout and "fits" in done.stdout
+
+
+@needs_libtpu
+def test_num_layers_cuts_the_model_and_says_so():
+  devices = tpu_costs.topology_devices("v5e:2x2")[:1]
+  check = compile_check.CompileCheck.create(
+      compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "--num-layers", "1"]), devices)
+  assert check.model_cfg.num_layers == 1 and ", 1 layers" in check.describe()
+  with pytest.raises(UserError, match=r"--num-layers: must be 1 to 2 \(the model's layers\), got 3"):
+    compile_check.CompileCheck.create(
+        compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "--num-layers", "3"]), devices)

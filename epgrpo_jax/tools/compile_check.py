@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "replicated); default: the training mesh (FSDP gathers every weight each token)")
   p.add_argument("--preset", help="model preset for the shapes (e.g. qwen2.5-3b) instead of "
                  "model.path's config.json")
+  p.add_argument("--num-layers", type=int, default=0, help="compile the model cut to this many "
+                 "decoder layers (0: all): per-layer costs and MFU in minutes where the whole "
+                 "model takes an hour; memory is not the whole model's")
   p.add_argument("--prompt-tokens", type=int, default=256, help="real tokens per prompt (256)")
   p.add_argument("--completion-tokens", type=int, default=0,
                  help="tokens per completion (0: sampling.max_new_tokens)")
@@ -141,6 +144,11 @@ class CompileCheck:
     else:
       model_cfg = load_hf_config(cfg.model.path)
     model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype)
+    if args.num_layers:
+      if not 1 <= args.num_layers <= model_cfg.num_layers:
+        raise UserError(f"--num-layers: must be 1 to {model_cfg.num_layers} (the model's layers), "
+                         f"got {args.num_layers}")
+      model_cfg = model_cfg.replace(num_layers=args.num_layers)
     if args.prompt_tokens < 1 or args.completion_tokens < 0:
       raise UserError("--prompt-tokens, --completion-tokens: must be >= 1 (0: the cap)")
     completion = args.completion_tokens or cfg.sampling.max_new_tokens
@@ -166,7 +174,8 @@ class CompileCheck:
             f"completion {self.completion_tokens} tokens (max_new_tokens "
             f"{self.cfg.sampling.max_new_tokens}), packing {t.packing}, remat "
             f"{self.cfg.model.remat}, grad_accumulation {t.grad_accumulation}, dtype "
-            f"{self.cfg.model.dtype}/{self.cfg.model.param_dtype}\n"
+            f"{self.cfg.model.dtype}/{self.cfg.model.param_dtype}, {self.model_cfg.num_layers} "
+            f"layers\n"
             f"per device: weights {self.weights_bytes / 2 ** 30:.2f} GiB; sampler mesh "
             f"{dict(self.parts.sampler_mesh.shape)}"
             f"{' (the training mesh)' if self.sampler_mesh is None else ''}, its weights "
