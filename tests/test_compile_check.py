@@ -228,3 +228,47 @@ def test_num_layers_cuts_the_model_and_says_so():
   with pytest.raises(UserError, match=r"--num-layers: must be 1 to 2 \(the model's layers\), got 3"):
     compile_check.CompileCheck.create(
         compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "--num-layers", "3"]), devices)
+
+
+# The TPU compiler's text for two products (from a compiled Qwen2.5-3B scoring program): a
+# [16, 2304, 2048] x [2048, 2048] product batched through a window of 16 over one padded
+# position, and a batched attention product [16, 2, 8, 512, 512] x [16, 2, 512, 128] through
+# dilated windows; and a loop of 7 trips around the first.
+TPU_HLO = """\
+%fused (p0: bf16[2048,2048], p1: bf16[16,2304,2048]) -> bf16[16,2304,2048] {
+  %p0 = bf16[2048,2048,1]{0,1,2:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[16,2304,2048]{1,2,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.165 = bf16[16,2304,2048]{1,2,0:T(8,128)(2,1)} convolution(%p0, %p1), window={size=16 pad=15_15 rhs_reversal=1}, dim_labels=fb0_0oi->0fb, metadata={op_name="dot_general"}
+}
+
+%attn (q0: f32[16,2,8,512,512], q1: bf16[16,2,512,128,1]) -> f32[16,2,8,512,128] {
+  %q0 = f32[16,2,8,512,512]{3,4,2,1,0:T(8,128)} parameter(0)
+  %q1 = bf16[16,2,512,128,1]{4,3,2,1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution-base-dilated.617 = f32[16,2,8,512,128]{4,3,2,1,0:T(8,128)} convolution(%q0, %q1), window={size=16x2x1 stride=15x1x1 lhs_dilate=16x2x1}, dim_labels=012bf_01io2->012bf
+}
+
+%body (a: (s32[], bf16[16,2304,2048], bf16[2048,2048])) -> (s32[], bf16[16,2304,2048], bf16[2048,2048]) {
+  %a = (s32[]{:T(128)}, bf16[16,2304,2048]{1,2,0}, bf16[2048,2048]{0,1}) parameter(0)
+  %f = bf16[16,2304,2048]{1,2,0:T(8,128)(2,1)} fusion(%w, %x), kind=kOutput, calls=%fused
+}
+
+%cond (c: (s32[], bf16[16,2304,2048], bf16[2048,2048])) -> pred[] {
+  %c = (s32[]{:T(128)}, bf16[16,2304,2048]{1,2,0}, bf16[2048,2048]{0,1}) parameter(0)
+  %constant.3 = s32[]{:T(128)} constant(7)
+  %i = s32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt.0 = pred[]{:T(512)} compare(%i, %constant.3), direction=LT
+}
+
+ENTRY %main (x: bf16[16,2304,2048], w: bf16[2048,2048]) -> bf16[16,2304,2048] {
+  %g = f32[16,2,8,512,128]{4,3,2,1,0:T(8,128)} fusion(%s, %v), kind=kOutput, calls=%attn
+  %while = (s32[]{:T(128)}, bf16[16,2304,2048]{1,2,0}, bf16[2048,2048]{0,1}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_tpu_products_are_counted_by_their_real_multiply_adds():
+  from epgrpo_jax.models.flops import hlo_counts
+  product = 2 * 16 * 2304 * 2048 * 2048
+  attention = 2 * 16 * 2 * 8 * 512 * 512 * 128
+  assert hlo_counts(TPU_HLO, loops=False)["dot_flops"] == product + attention
+  assert hlo_counts(TPU_HLO)["dot_flops"] == 7 * product + attention

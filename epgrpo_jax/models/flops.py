@@ -194,14 +194,43 @@ def _operand_dims(lines: list[str], operand: str, hlo_text: str) -> list[int]:
   return _dims(re.search(rf"\b{re.escape(operand)}: [a-z]+[0-9]*\[([0-9,]*)\]", hlo_text).group(1))
 
 
+def _window(ins: str, key: str, spatial: int, default: int) -> list[int]:
+  """One field of a convolution's `window={...}` per spatial dimension (`pad` as its low side)."""
+  window = re.search(r"window=\{([^}]*)\}", ins)
+  found = window and re.search(rf"\b{key}=([0-9_x\-]+)", window.group(1))
+  if not found:
+    return [default] * spatial
+  return [int(v.split("_")[0]) for v in found.group(1).split("x")]
+
+
+def _taps(n: int, k: int, out: int, stride: int, pad: int, lhs_dilate: int, rhs_dilate: int) -> int:
+  """(output, window position) pairs of one spatial dimension that meet a real input element
+  (not padding, not a hole of the input's dilation)."""
+  x = (np.arange(out)[:, None] * stride + np.arange(k)[None, :] * rhs_dilate) - pad
+  return int(np.sum((x >= 0) & (x % lhs_dilate == 0) & (x // lhs_dilate < n)))
+
+
 def _conv_flops(ins: str, lines: list[str], hlo_text: str, out: list[int]) -> float:
-  """2 x the multiply-adds of a `convolution` (the TPU compiler writes dots as convolutions):
-  each output element sums over the kernel's input features and window."""
-  rhs_name = re.search(r"convolution\(%?[\w.\-]+, %?([\w.\-]+)\)", ins).group(1)
+  """2 x the multiply-adds of a `convolution` (the TPU compiler writes dots as convolutions,
+  batching some through windows over padded or dilated inputs): each output element sums over
+  the kernel's input features, and each spatial dimension adds the window positions that meet
+  real input (`_taps`)."""
+  lhs_name, rhs_name = re.search(r"convolution\(%?([\w.\-]+), %?([\w.\-]+)\)", ins).groups()
+  lhs = _operand_dims(lines, lhs_name, hlo_text)
   rhs = _operand_dims(lines, rhs_name, hlo_text)
-  rhs_labels = re.search(r"dim_labels=[^_]*_([^-]*)->", ins).group(1)
-  summed = [d for d, label in zip(rhs, rhs_labels) if label == "i" or label.isdigit()]
-  return 2.0 * math.prod(out) * math.prod(summed)
+  lhs_labels, rhs_labels, out_labels = re.search(r"dim_labels=([^_]*)_([^-]*)->(\S+?)[,\s]",
+                                                 ins + " ").groups()
+  spatial = sum(label.isdigit() for label in rhs_labels)
+  field = {key: _window(ins, key, spatial, default) for key, default in
+           (("stride", 1), ("pad", 0), ("lhs_dilate", 1), ("rhs_dilate", 1))}
+  flops = 2.0 * math.prod(out) * rhs[rhs_labels.index("i")]
+  for d in range(spatial):
+    label = str(d)
+    o = out[out_labels.index(label)]
+    flops *= _taps(lhs[lhs_labels.index(label)], rhs[rhs_labels.index(label)], o,
+                   field["stride"][d], field["pad"][d], field["lhs_dilate"][d],
+                   field["rhs_dilate"][d]) / o
+  return flops
 
 
 def _trip_count(ins: str, comps: dict[str, list[str]]) -> int:
