@@ -41,12 +41,15 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_iterator: grain.DatasetIterator | None,
-           meta: dict[str, Any], *, force: bool = True) -> None:
+           meta: dict[str, Any], *, force: bool = True, inflight: dict | None = None) -> None:
     """Starts saving step `step` (asynchronously); a second save of the step just saved
-    (e.g. the periodic save, then the one on SIGTERM) does nothing."""
+    (e.g. the periodic save, then the one on SIGTERM) does nothing. `inflight`: host arrays of
+    the rollouts drawn ahead (`training.staleness`), saved as the item "inflight"."""
     if step == self._last_saved:
       return
     items = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
+    if inflight:
+      items["inflight"] = ocp.args.StandardSave(inflight)
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
     self.manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -61,6 +64,13 @@ class Checkpointer:
       items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     return restored["state"], restored["meta"]
+
+  def restore_inflight(self, step: int) -> dict:
+    """The "inflight" item of step `step` as host arrays ({} when the step has none)."""
+    if not (self.directory / str(step) / "inflight").is_dir():
+      return {}
+    restored = self.manager.restore(step, args=ocp.args.Composite(inflight=ocp.args.StandardRestore()))
+    return restored["inflight"]
 
   def restore_trainable(self, step: int, abstract_trainable: Any) -> Any:
     """Only the trained weights (the "trainable" entry of the state), as `restore_trainable`.

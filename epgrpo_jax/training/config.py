@@ -152,6 +152,28 @@ class DynamicSamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Rollouts generated ahead of the update (docs/async.md): with `max_staleness` k >= 1 the
+  batches of the next k steps are sampled (and rewarded) while the current step scores and
+  updates; a completion sampled by policy version v (v optimizer steps in) is trained on at
+  step s only if s - v <= k, else dropped and sampled afresh. 0: today's synchronous step."""
+
+  max_staleness: int = 0
+  # Devices given to the sampler (a rollout mesh beside the training mesh, which keeps the
+  # rest); 0: the sampler shares the training mesh. Needs max_staleness >= 1.
+  devices: int = 0
+
+  def __post_init__(self):
+    for name in ("max_staleness", "devices"):
+      if getattr(self, name) < 0:
+        raise UserError(f"rollout.{name}: must be >= 0, got {getattr(self, name)}")
+    if self.devices and not self.max_staleness:
+      raise UserError(f"rollout.devices: a rollout mesh of {self.devices} device(s) needs "
+                       f"rollout.max_staleness >= 1 (synchronous, one mesh would idle while the "
+                       f"other works)")
+
+
+@dataclasses.dataclass(frozen=True)
 class HeldoutEvalConfig:
   every: int = 0  # RL steps between held-out evaluations (0: only before and after)
   before: bool = True  # evaluate the starting policy
@@ -254,6 +276,7 @@ class TrainConfig:
   optim: OptimConfig = OptimConfig()
   train: TrainLoopConfig = TrainLoopConfig()
   dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+  rollout: RolloutConfig = RolloutConfig()
   eval: HeldoutEvalConfig = HeldoutEvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   logging: LoggingConfig = LoggingConfig()
@@ -268,6 +291,17 @@ class TrainConfig:
                        f"prompt, got {self.train.num_generations}")
     if self.sampling.max_new_tokens < 1:
       raise UserError("sampling.max_new_tokens: must be >= 1")
+    k = self.rollout.max_staleness
+    if k and self.sampling.is_greedy and (self.loss.rollout_correction != "none"
+                                           or self.train.reuse_sampler_logprobs):
+      raise UserError(f"rollout.max_staleness: {k} with loss.rollout_correction or "
+                       f"train.reuse_sampler_logprobs weighs or clips against the sampler's "
+                       f"log-probs, and greedy sampling (sampling.temperature=0 or "
+                       f"sampling.greedy) gives none; sample, or set the correction to 'none'")
+    if k and self.dynamic_sampling.enabled:
+      raise UserError(f"rollout.max_staleness: {k} cannot be combined with "
+                       f"dynamic_sampling.enabled (its extra rounds sample with the current "
+                       f"policy); use one or the other")
     if self.loss.rollout_correction != "none" and self.sampling.is_greedy:
       raise UserError(f"loss.rollout_correction: {self.loss.rollout_correction!r} needs the "
                        f"sampler's log-probs of the distribution it drew from, and greedy sampling "

@@ -23,6 +23,7 @@ from epgrpo_jax.training.config import EMBEDDED, TrainConfig
 from epgrpo_jax.training.embedded import resolve_embedded
 from epgrpo_jax.training.rollouts import sample_records
 from epgrpo_jax.training.build import JSONL_OUTPUTS, check_writable
+from epgrpo_jax.training.staleness import split_devices
 from epgrpo_jax.training.trainer import Trainer
 
 log = logging.getLogger("epgrpo_jax.training.loop")
@@ -113,7 +114,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def preflight(cfg: TrainConfig) -> None:
   """Checks against this machine what the config cannot check alone, before heavy work."""
-  cfg.mesh.shape(jax.device_count())
+  r = cfg.rollout
+  if r.max_staleness and jax.process_count() > 1:
+    raise UserError(f"rollout.max_staleness: {r.max_staleness} runs in one process; this run has "
+                     f"{jax.process_count()} (set it to 0)")
+  cfg.mesh.shape(len(split_devices(jax.devices(), r.devices)[0]))
   out = Path(cfg.train.output_dir).resolve()
   if cfg.model.path != EMBEDDED:
     model = Path(cfg.model.path).resolve()

@@ -27,6 +27,7 @@ def step_report(cfg: TrainConfig, c: Collected, update_metrics: list[dict], new_
       adv_metrics=distributed.to_host(c.adv_metrics), eos_ids=eos_ids,
       completion_BxN=c.completion_BxN, entropy_mask_BxN=c.loss_mask_BxN)
   metrics.update(c.dynamic_metrics)
+  metrics.update(c.rollout_metrics)
   if cfg.loss.mask_truncated_completions:
     metrics["overlong/masked_frac"] = float(c.truncated_B.mean())
   if cfg.reward.overlong_buffer:

@@ -54,6 +54,8 @@ class Collected:
   adv_metrics: dict[str, Any] | None
   rounds: int  # sampling rounds (dynamic sampling)
   dynamic_metrics: dict[str, float]
+  version_B: np.ndarray | None = None  # the policy version (optimizer steps) that sampled each
+  rollout_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # `staleness`
 
   @property
   def examples(self) -> list[pipeline.Example]:
@@ -68,7 +70,7 @@ class Collected:
     """What `sample_records` and the heat map read."""
     return {"examples": self.examples, "texts": self.texts, "rewards": self.rewards,
             "rollout": self.rollout, "advantage": self.advantage, "components": self.components,
-            "entropy": self.entropy}
+            "entropy": self.entropy, "policy_version": self.version_B}
 
 
 def truncated_rows(completion_BxN: np.ndarray, mask_BxN: np.ndarray, eos_ids) -> np.ndarray:

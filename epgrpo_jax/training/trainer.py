@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -29,7 +30,7 @@ from epgrpo_jax.kernels import seam
 from epgrpo_jax.models import (as_dtype, check_vocab, from_pretrained, load_hf_config, load_tokenizer,
                                save_pretrained, stop_token_ids)
 from epgrpo_jax.parallel import distributed
-from epgrpo_jax.parallel.sharding import make_mesh
+from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
 from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
 from epgrpo_jax.rollout.sampling import Sampler, bucket
 from epgrpo_jax.training.advantage_program import AdvantageProgram
@@ -39,8 +40,9 @@ from epgrpo_jax.training.build import (check_run, load_data, packing_length, ste
 from epgrpo_jax.training.config import TrainConfig
 from epgrpo_jax.training.metrics import step_report
 from epgrpo_jax.training.packing import check_segments, pack_micro_batches
-from epgrpo_jax.training.programs import Policy
+from epgrpo_jax.training.programs import Policy, StepShardings
 from epgrpo_jax.training.rollouts import Collected, SampledRound, dynamic_round_batch, truncated_rows
+from epgrpo_jax.training.staleness import StaleRollouts, check_rollout_mesh, split_devices
 
 log = logging.getLogger("epgrpo_jax.training.trainer")
 
@@ -73,7 +75,8 @@ class Trainer:
 
   def __init__(self, cfg: TrainConfig, *, model_dir: str | Path | None = None,
                mesh: jax.sharding.Mesh | None = None):
-    """`mesh` overrides the one built from `cfg.mesh` over all devices (tests)."""
+    """`mesh` overrides the one built from `cfg.mesh` over all devices (tests); with
+    `rollout.devices`, the sampler gets the last ones as a mesh of its own."""
     self.cfg = cfg
     self.is_main = jax.process_index() == 0
     model_dir = Path(model_dir or cfg.model.path)
@@ -81,8 +84,12 @@ class Trainer:
     t = cfg.train
 
     # Everything that can be wrong with the input is checked before any weights load.
-    self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh)  # raises if sizes mismatch
+    train_devices, rollout_devices = split_devices(jax.devices(), cfg.rollout.devices)
+    # raises if sizes mismatch
+    self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh, devices=train_devices)
+    self.rollout_mesh = make_mesh(MeshConfig(), devices=rollout_devices) if rollout_devices else self.mesh
     check_run(cfg, self.mesh, self.out_dir)
+    check_rollout_mesh(cfg.rollout, self.mesh, self.rollout_mesh)
     model_cfg = load_hf_config(model_dir)
     self.tokenizer = load_tokenizer(model_dir)
     check_vocab(self.tokenizer, model_cfg, model_dir)
@@ -113,7 +120,8 @@ class Trainer:
     self.advantage_fn = AdvantageProgram(self.mesh)
 
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-    self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id, mesh=self.mesh)
+    self.sampler = Sampler(cfg.sampling, eos_ids=self.eos_ids, pad_id=self.pad_id,
+                           mesh=self.rollout_mesh)
     self.scorer = RewardScorer(cfg.reward)
     self.golds = {}
     self.data_iter = pipeline.batch_iterator(
@@ -124,6 +132,16 @@ class Trainer:
                                 tensorboard=cfg.logging.tensorboard,
                                 wandb_project=cfg.logging.wandb_project,
                                 config=configlib.to_dict(cfg))
+    self.rollouts = None  # rollout.max_staleness >= 1: the batches drawn ahead
+    if cfg.rollout.max_staleness:
+      # The sampler's own copy of the frozen weights, on the rollout mesh (sent once).
+      on_rollout_mesh = StepShardings.create(self.policy, self.tx, self.rollout_mesh)
+      self.rollout_frozen = jax.device_put(self.policy.frozen, on_rollout_mesh.frozen)
+      self.rollout_trainable = on_rollout_mesh.trainable
+      self.rollouts = StaleRollouts(
+          cfg.rollout.max_staleness, draw=lambda: distributed.allgather_rows(next(self.data_iter)),
+          params=self.sampler_params, sample=self.sample_examples, reward=self.score_rewards,
+          examples=self.train_examples)
 
   # -- state ------------------------------------------------------------------------------
 
@@ -155,6 +173,8 @@ class Trainer:
                     ", ".join(str(s) for s, _ in failed), self.checkpointer.directory)
       state = RunState(trainable=tree["trainable"], opt_state=tree["opt_state"],
                        key=jax.random.wrap_key_data(tree["key"]), **meta)
+      if self.rollouts is not None:
+        self.rollouts.restore(self.checkpointer.restore_inflight(step))
       if self.is_main:
         log.info("resumed from %s at step %d", self.checkpointer.directory, state.step)
       return state
@@ -166,11 +186,21 @@ class Trainer:
     return state
 
   def save(self, state: RunState) -> None:
-    self.checkpointer.save(state.step, state.tree(), self.data_iter, state.meta())
+    inflight = self.rollouts.inflight_tree() if self.rollouts is not None else None
+    self.checkpointer.save(state.step, state.tree(), self.data_iter, state.meta(), inflight=inflight)
 
   def params(self, trainable: nnx.State) -> tuple[Any, nnx.State]:
     """(graphdef, full state) of the current policy, for the sampler."""
     return self.policy.graphdef, nnx.merge_state(self.policy.frozen, trainable)
+
+  def sampler_params(self, trainable: nnx.State) -> tuple[Any, nnx.State]:
+    """(graphdef, full state) of the current policy for the rollout worker: only the trainable
+    state (the LoRA adapters) moves, sent to the rollout mesh or, on a shared mesh, copied (the
+    update donates its own buffers while the worker may still read them)."""
+    if self.rollout_mesh is self.mesh:
+      return self.params(jax.tree.map(jnp.copy, trainable))
+    sent = jax.device_put(trainable, self.rollout_trainable)
+    return self.policy.graphdef, nnx.merge_state(self.rollout_frozen, sent)
 
   # -- one RL step ------------------------------------------------------------------------
 
@@ -196,9 +226,13 @@ class Trainer:
     start = time.perf_counter()
     key, sample_key = jax.random.split(state.key)
 
-    # 1. Sample G completions per prompt with the current policy.
-    rewards, dynamic_metrics, rounds = None, {}, 1
-    if cfg.dynamic_sampling.enabled and examples is None:
+    # 1. Sample G completions per prompt with the current policy (or, with
+    # rollout.max_staleness, take the oldest batch drawn ahead, sampled and rewarded).
+    rewards, dynamic_metrics, rounds, rollout_metrics, version = None, {}, 1, {}, state.step
+    if self.rollouts is not None and examples is None:
+      host, texts, rewards, version, rollout_metrics = self.rollouts.take(
+          state.trainable, state.step, sample_key)
+    elif cfg.dynamic_sampling.enabled and examples is None:
       host, texts, rewards, dynamic_metrics = dynamic_round_batch(
           cfg, sample_key, functools.partial(self.sample_round, state.trainable),
           self.score_rewards, self.pad_id)
@@ -253,7 +287,8 @@ class Trainer:
                      completion_BxN=completion_BxN, completion_mask_BxN=completion_mask_BxN,
                      loss_mask_BxN=loss_mask_BxN, truncated_B=truncated_B, logp_old=logp_old,
                      logp_ref=logp_ref, entropy=entropy, advantage=adv, components=comps,
-                     adv_metrics=adv_metrics, rounds=rounds, dynamic_metrics=dynamic_metrics)
+                     adv_metrics=adv_metrics, rounds=rounds, dynamic_metrics=dynamic_metrics,
+                     version_B=np.full(P * G, version, np.int64), rollout_metrics=rollout_metrics)
 
   def update(self, state: RunState, c: Collected
              ) -> tuple[RunState, dict[str, float], dict[str, Any]]:
@@ -305,12 +340,15 @@ class Trainer:
   def sample_round(self, trainable: nnx.State, key: jax.Array,
                    examples: list[pipeline.Example] | None = None) -> SampledRound:
     """G completions of each of P prompts: `examples`, else the data iterator's next batch."""
-    G = self.cfg.train.num_generations
     if examples is None:
       # Each process reads its slice of the global batch; all processes see the whole batch.
       examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
-    out = self.sampler.sample(self.params(trainable), [e.prompt_ids for e in examples],
-                              num_samples=G, key=key)
+    return self.sample_examples(self.params(trainable), examples, key)
+
+  def sample_examples(self, params, examples: list[pipeline.Example], key: jax.Array) -> SampledRound:
+    """G completions of each of `examples` sampled by `params` ((graphdef, state))."""
+    out = self.sampler.sample(params, [e.prompt_ids for e in examples],
+                              num_samples=self.cfg.train.num_generations, key=key)
     host = distributed.to_host(out)  # every row on every process
     return SampledRound(examples, host.prompt_ids, host.prompt_mask, host.tokens, host.mask,
                         host.logp, host.entropy)
@@ -375,6 +413,8 @@ class Trainer:
   def heldout_result(self, trainable: nnx.State, key: jax.Array) -> EvalResult:
     """Every held-out problem's per-sample scores under `trainable` (`evaluate` summarises them)."""
     e = self.cfg.eval
+    if self.rollouts is not None:
+      self.rollouts.wait()  # the worker's rewards and the evaluation share the scorer
     return evaluate_examples(
         self.sampler_for_eval(), self.params(trainable), self.heldout, self.tokenizer, self.scorer,
         num_samples=e.samples, key=key, prompts_per_batch=e.prompts_per_batch,
@@ -395,6 +435,8 @@ class Trainer:
     return save_pretrained(model, directory, tokenizer_dir=self.model_dir)
 
   def close(self) -> None:
+    if self.rollouts is not None:
+      self.rollouts.close()
     self.checkpointer.close()
     self.scorer.close()
     self.writer.close()
