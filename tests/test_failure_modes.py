@@ -97,6 +97,9 @@ CONFIG_CASES = [
     (["loss.beta=-.inf"], "error: loss.beta: must be a finite number, got -inf"),
     (["train.output_dir="], "error: train.output_dir: empty (an unset shell variable?); name a "
                             "directory"),
+    (["rollout.max_staleness=-1"], "error: rollout.max_staleness: must be >= 0, got -1"),
+    (["rollout.max_staleness=1", "rollout.devices=8"], "error: rollout.devices: 8 leaves no device "
+                                                       "for training (there are 8)"),
     (["train.seed=-1"], "error: train.seed: must be in [0, 2**32), got -1"),
     (["train.seed=4294967296"], "error: train.seed: must be in [0, 2**32), got 4294967296"),
     (["train.steps=99999999999999999999"], "error: train.steps: out of the 64-bit integer range, "

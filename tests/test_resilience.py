@@ -39,7 +39,8 @@ SEED = 20240917  # the kill points
 TMP_MARK = ".orbax-checkpoint-tmp"
 # Metrics that measure time; every other metric of a step must match exactly.
 TIMING = {"step_time", "sample_time", "update_time", "tokens_per_second",
-          "sampling/tokens_per_second", "train/tokens_per_second", "perf/update_tflops", "perf/mfu"}
+          "sampling/tokens_per_second", "train/tokens_per_second", "perf/update_tflops", "perf/mfu",
+          "rollout/wait_time"}
 REWARD_MODULE = '''
 def graded(completions, answers):
   """Deterministic rewards that differ within a group (a random policy never answers right)."""
@@ -180,9 +181,10 @@ def read(path: Path) -> bytes:
   return path.read_bytes() if path.is_file() else b""
 
 
-@pytest.fixture(scope="module")
-def crash_runs(task, tmp_path_factory):
-  """An uninterrupted run and the same run killed and resumed; what each leg saw.
+@pytest.fixture(scope="module", params=[0, 1], ids=["synchronous", "one step stale"])
+def crash_runs(task, tmp_path_factory, request):
+  """An uninterrupted run and the same run killed and resumed; what each leg saw. Synchronous,
+  and with rollout.max_staleness=1 (the checkpoints then hold the batch sampled ahead).
 
   The reference runs at the same time as the interrupted legs (they use one core each).
   """
@@ -192,10 +194,11 @@ def crash_runs(task, tmp_path_factory):
              PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
   ref_dir, run_dir = base / "reference", base / "interrupted"
   ckpt = run_dir / "checkpoints"
-  args = overrides(task, run_dir)
+  staleness = f"rollout.max_staleness={request.param}"
+  args = overrides(task, run_dir, staleness)
   rng = np.random.default_rng(SEED)
   seen: dict[str, Any] = {}
-  reference = Run("reference", overrides(task, ref_dir), env, base)
+  reference = Run("reference", overrides(task, ref_dir, staleness), env, base)
   runs = [reference]
   try:
     # Leg 1: SIGKILL as soon as the save of step s1 has started (its temporary directory exists).
