@@ -167,8 +167,11 @@ def test_k0_is_the_synchronous_step_and_k1_samples_ahead_with_the_versions_it_sa
     # ... not those of version 2 (the one it is trained from), whose log-probs differ.
     v2 = stale.sample_examples(stale.params(state3.trainable), r3["examples"], sample_key2)
     assert not np.array_equal(v2.logp, v1.logp)
-    # The mismatch metrics see the staleness: the behaviour policy is one update behind.
+    # The mismatch metrics see the staleness: the behaviour policy is one update behind. The
+    # ratio's old policy is the current one (decoupled): exactly 1 in the step's one update,
+    # never clipped.
     assert m3["sampling/sampling_logp_difference/mean"] > 10 * m1["sampling/sampling_logp_difference/mean"]
+    assert m3["clip_ratio/region_mean"] == 0.0
   finally:
     stale.close()
 
@@ -215,6 +218,21 @@ def test_resume_with_k1_is_exact_and_a_smaller_k_drops_what_is_too_old(task, tmp
     assert m["rollout/staleness"] == 1.0
   finally:
     smaller.close()
+
+
+def test_reusing_the_sampler_log_probs_clips_a_stale_batch_against_them(task, tmp_path):
+  trainer = one_device(config(task, tmp_path / "run", "train.steps=2", "rollout.max_staleness=1",
+                              "train.reuse_sampler_logprobs=true"))
+  try:
+    state = trainer.restore_or_init()
+    for _ in range(2):
+      state, m, _ = trainer.step(state)
+    assert m["rollout/staleness"] == 1.0
+    # pi_old is the sampler's mu: no gap between them, and the ratio pi_theta / mu (one update
+    # apart) leaves the clip range on some tokens.
+    assert m["sampling/sampling_logp_difference/mean"] == 0.0 and m["clip_ratio/region_mean"] > 0
+  finally:
+    trainer.close()
 
 
 @pytest.mark.parametrize("overrides,expected", [

@@ -110,6 +110,8 @@ def step_programs(cfg: TrainConfig, policy: Policy, mesh: jax.sharding.Mesh, *,
       o.learning_rate, t.steps * t.num_iterations * t.mini_batches, warmup_ratio=o.warmup_ratio,
       weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm, b1=o.b1, b2=o.b2, eps=o.eps)
   on_policy, fused = update_plan(t, mesh, warn=warn)
+  if cfg.rollout.max_staleness and t.reuse_sampler_logprobs:
+    on_policy = False  # batches sampled ahead: the ratio's pi_old is the sampler's mu (docs/async.md)
   shardings = StepShardings.create(policy, tx, mesh)
   fns = StepFunctions(policy.graphdef, tx, loss_cfg=cfg.loss,
                       temperature=cfg.sampling.temperature or 1.0, on_policy=on_policy,
