@@ -240,6 +240,16 @@ class Shape:
   lora_alpha: float = 64.0
 
 
+def batch_shape_args(ap, *, prompts: int, samples: int, new_tokens: int, max_prompt_tokens: int,
+                     prompts_help: str = "P prompts") -> None:
+  """The batch-shape flags the rollout-shaped benchmarks share, with each one's defaults."""
+  ap.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
+  ap.add_argument("--samples", type=int, default=samples, help="G completions per prompt")
+  ap.add_argument("--new-tokens", type=int, default=new_tokens, help="sampling.max_new_tokens")
+  ap.add_argument("--max-prompt-tokens", type=int, default=max_prompt_tokens,
+                  help="data.max_prompt_tokens")
+
+
 def dtype_overrides(dtype: str) -> list[str]:
   """The model's weights and compute in `dtype` (LoRA weights stay float32)."""
   return [f"model.dtype={dtype}", f"model.param_dtype={dtype}"]

@@ -42,10 +42,7 @@ import _common as C  # noqa: E402
 
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--prompts", type=int, default=8, help="P prompts")
-  ap.add_argument("--samples", type=int, default=8, help="G completions per prompt")
-  ap.add_argument("--new-tokens", type=int, default=512, help="sampling.max_new_tokens")
-  ap.add_argument("--max-prompt-tokens", type=int, default=256, help="data.max_prompt_tokens")
+  C.batch_shape_args(ap, prompts=8, samples=8, new_tokens=512, max_prompt_tokens=256)
   ap.add_argument("--steps", type=int, default=3, help="timed steps per block")
   ap.add_argument("--warmup", type=int, default=2, help="untimed steps before a side's first block")
   ap.add_argument("--rounds", type=int, default=2, help="timed blocks per side")

@@ -45,10 +45,7 @@ QWEN_TOKENIZER = REPO / "tests" / "assets" / "qwen2.5-tokenizer"
 
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--prompts", type=int, default=4, help="P prompts per batch")
-  ap.add_argument("--samples", type=int, default=4, help="G completions per prompt")
-  ap.add_argument("--new-tokens", type=int, default=1024, help="sampling.max_new_tokens")
-  ap.add_argument("--max-prompt-tokens", type=int, default=512, help="data.max_prompt_tokens")
+  C.batch_shape_args(ap, prompts=4, samples=4, new_tokens=1024, max_prompt_tokens=512, prompts_help="P prompts per batch")
   ap.add_argument("--batches", type=int, default=2, help="distinct batches per timed call")
   ap.add_argument("--rounds", type=int, default=3, help="timed calls of each side")
   ap.add_argument("--preset", default="bench-tiny")

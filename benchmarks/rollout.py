@@ -31,10 +31,7 @@ import _common as C
 
 def parse_args(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--prompts", type=int, default=16, help="P prompts")
-  ap.add_argument("--samples", type=int, default=8, help="G completions per prompt")
-  ap.add_argument("--new-tokens", type=int, default=2048, help="sampling.max_new_tokens")
-  ap.add_argument("--max-prompt-tokens", type=int, default=512, help="data.max_prompt_tokens")
+  C.batch_shape_args(ap, prompts=16, samples=8, new_tokens=2048, max_prompt_tokens=512)
   ap.add_argument("--slots", type=int, default=32, help="sampling.slots")
   ap.add_argument("--refill-every", type=int, default=8, help="sampling.refill_every")
   ap.add_argument("--stop-check-every", type=int, default=8, help="sampling.stop_check_every")
