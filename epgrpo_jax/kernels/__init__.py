@@ -1,1 +1,2 @@
-"""Hand-written kernels that XLA calls (CPU only)."""
+"""Hand-written kernels that XLA calls: C++ on the CPU (`cpu`), the Pallas decode attention on
+GPUs (`gpu`); `seam` chooses a program's."""

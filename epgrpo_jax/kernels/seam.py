@@ -6,7 +6,9 @@ them to the model (`model(..., kernels=...)`).
 Per backend (docs/architecture.md, "The kernel seam"):
 - cpu: `kernels.cpu.backend` (XLA:CPU's workarounds, and the C++ kernels where they run:
   `native`).
-- gpu, tpu: XLA's implementations (`models.Kernels()`), attention resolved from the config.
+- gpu: XLA's implementations, and on one device the Pallas decode attention that reads each
+  row's own slots (`kernels.gpu`), unless `model.attention` is plain (`gpu_decode`).
+- tpu: XLA's implementations (`models.Kernels()`), attention resolved from the config.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def sampler_native(mesh: jax.sharding.Mesh | None, wanted: bool) -> bool:
   return native(backend_of(mesh), mesh is None or mesh.size == 1, wanted)
 
 
+def gpu_decode(name: str, backend: str, single_device: bool) -> bool:
+  """Whether one-token decode steps attend with the Pallas kernel (`kernels.gpu`): on a GPU, in
+  a single-device program (XLA cannot shard the kernel's custom call over a mesh), unless
+  `model.attention` (`name`) is plain, which keeps every pass on XLA's einsums."""
+  return backend in GPU and single_device and name != "plain"
+
+
 def resolve(name: str, dtype, backend: str) -> str:
   """The attention implementation `name` ("auto": chosen by backend and dtype) stands for.
 
@@ -89,10 +98,15 @@ def for_backend(cfg: ModelConfig, backend: str, single_device: bool, *,
                 decode_rows: tuple[int, int] | None = None) -> Kernels:
   """The `Kernels` of a program for `backend` ("cpu", "gpu", "tpu") on one device or several:
   the CPU's (`kernels.cpu.backend`, its C++ kernels where `native`), else XLA's; attention
-  resolved from `cfg` (`resolve`); `constrain(x, kind)`: activation sharding constraints."""
+  resolved from `cfg` (`resolve`), on a GPU the Pallas decode attention where `gpu_decode`;
+  `constrain(x, kind)`: activation sharding constraints."""
   attention = resolve(cfg.attention, as_dtype(cfg.dtype), backend)
   common = {"constrain": constrain} if constrain is not None else {}
   if backend == "cpu":
     return cpu_backend.kernels(attention=attention, native=native(backend, single_device),
                                decode_rows=decode_rows, **common)
+  if gpu_decode(cfg.attention, backend, single_device):
+    from epgrpo_jax.kernels import gpu  # Pallas' Triton parts load only where a GPU program is built
+
+    common["decode_attention"] = gpu.decode_attention
   return Kernels(attention=attention, **common)
