@@ -77,7 +77,8 @@ def _kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, m_ref, l_re
     keep_Bk = ((slot_Bk >= i * bk) & (slot_Bk >= start) & (slot_Bk < stop)
                & (allowed_ref[pl.ds(base, bk)] != 0))
     k_HdxBk = k_ref[:, pl.ds(base, bk)]
-    v_BkxHd = jnp.where(keep_Bk[:, None], v_ref[pl.ds(base, bk), :], jnp.zeros((), v_ref.dtype))
+    v_BkxHd = jnp.where(keep_Bk[:, None], v_ref[pl.ds(base, bk), :].astype(q_GpxHd.dtype),
+                        jnp.zeros((), q_GpxHd.dtype))
     s_GpxBk = jnp.dot(q_GpxHd, k_HdxBk.astype(q_GpxHd.dtype), precision=precision,
                       preferred_element_type=jnp.float32) * scale
     s_GpxBk = jnp.where(keep_Bk[None, :], s_GpxBk, NEG)
@@ -146,8 +147,9 @@ def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, li
                      block: int = 128, programs: int = 256, interpret: bool = False):
   """`Kernels.decode_attention` on a GPU: softmax(q . keys / sqrt(Hd)) . values over the slots
   < `limit` that `allowed_BxS` marks, each row reading its own span only (`row_spans`).
-  q and the cache in float32 or bfloat16 (the cache is read in its dtype, the products
-  accumulate in float32, fp32 products in IEEE precision); output in q's dtype, 0 for a row
+  q and the cache in float32 or bfloat16 (the cache is read in its dtype and, as in XLA's
+  path, taken to q's; the products accumulate in float32, float32 products in IEEE
+  precision, not TF32); output in q's dtype, 0 for a row
   with no slot. A cache under `MIN_SLOTS` slots takes XLA's attention. `programs`: about how
   many programs the grid should hold (rows x KV heads x splits of the slots); `interpret`:
   Pallas' interpreter (any backend; the tests' way to run it on a CPU)."""
