@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The accelerator figures on one H100/H200-class GPU (random weights, bf16), in about 18 minutes
-# (the time limits add up to 980 s plus start-up; --update-only: about 5).
+# The accelerator figures on one H100/H200-class GPU (random weights, bf16), in about 21 minutes
+# (the time limits add up to 1,130 s plus start-up; --update-only: about 5).
 #
 #   bash benchmarks/gpu.sh [--peak-tflops 989] [--out FILE]   # 989: H100/H200 dense bf16
 #   bash benchmarks/gpu.sh --update-only [...]                 # part 0 only (about 5 minutes)
@@ -22,7 +22,10 @@
 #   3. one layer's training attention, forward + backward: plain vs blockwise vs cuDNN, time and
 #      compiled temporaries (attention.py) at the 1.5B heads, 4 rows x 4,096 tokens;
 #   4. rollouts, static vs continuous batching at MATH lengths (rollout.py) at the Qwen2.5-0.5B
-#      shape (16 x 8, 64 slots) and the 3B shape (the paper's: 16 x 8, 2,048 new tokens).
+#      shape (16 x 8, 64 slots) and the 3B shape (the paper's: 16 x 8, 2,048 new tokens), the
+#      decode steps' attention the Pallas kernel that reads each row's own slots
+#      (kernels/gpu.py, model.attention auto); the 0.5B run once more with --attention plain
+#      (XLA's attention over every slot) for the kernel's share.
 # Each part has a time limit, so that a hung part cannot eat the others' time; a part that
 # fails or times out prints FAILED and the script goes on. Everything goes to stdout and to
 # FILE (default benchmarks/results-gpu-<date>.txt, or results-dry-run-<date>.txt); record the
@@ -96,8 +99,9 @@ if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's t
       --samples 2 --prompt-len 8 --new-tokens 8 --lora-rank 2 --peak-tflops "$PEAK"
   run 300 "$PY" attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
       --runs 1
-  run 300 "$PY" rollout.py --preset bench-tiny --prompts 2 --samples 2 --new-tokens 32 --slots 2 \
-      --rounds 1
+  ROLL="--preset bench-tiny --prompts 2 --samples 2 --new-tokens 32 --slots 2 --rounds 1"
+  run 300 "$PY" rollout.py $ROLL
+  run 300 "$PY" rollout.py $ROLL --attention plain
 else
   UPDATE="--rows 8 --row-length 4096 --prompt-len 256 --completion-len 768 --steps 3 --peak-tflops $PEAK"
   run 150 "$PY" update_gpu.py --preset qwen2.5-3b $UPDATE
@@ -112,8 +116,10 @@ else
   if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then run 120 "$PY" step_vs_trl.py $STEP --attention blockwise; fi
   run 60 "$PY" attention.py --preset qwen2.5-1.5b --rows 4 --tokens 4096 --dtype bfloat16 \
       --runs 5
-  run 150 "$PY" rollout.py --preset qwen2.5-0.5b --dtype bfloat16 --prompts 16 --samples 8 \
-      --new-tokens 2048 --slots 64 --rounds 1
+  ROLL="--preset qwen2.5-0.5b --dtype bfloat16 --prompts 16 --samples 8 --new-tokens 2048 --slots 64"
+  ROLL="$ROLL --rounds 1"
+  run 150 "$PY" rollout.py $ROLL
+  run 150 "$PY" rollout.py $ROLL --attention plain
   run 240 "$PY" rollout.py --preset qwen2.5-3b --dtype bfloat16 --prompts 16 --samples 8 \
       --new-tokens 2048 --slots 64 --rounds 1
 fi

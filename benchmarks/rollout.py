@@ -12,10 +12,12 @@ useful-slot fraction (decode row-steps that produced a real token / all decode r
 the first token of each completion comes from the prefill on both sides and is left out of
 both counts), programs compiled while timed (must be 0), the largest compiled program's
 footprint (arguments + temporaries + outputs, `memory_analysis`), and the device's or the
-process's peak memory.
+process's peak memory. The decode attention the seam chose is named first: on a GPU the
+Pallas kernel that reads each row's own slots (`kernels/gpu.py`), unless `--attention plain`
+(XLA's einsums over every slot, for the prefill as well).
 
   python benchmarks/rollout.py [--prompts 16] [--samples 8] [--new-tokens 2048] [--slots 32]
-      [--refill-every 8] [--rounds 2] [--preset bench-tiny] [--dtype float32]
+      [--refill-every 8] [--rounds 2] [--preset bench-tiny] [--dtype float32] [--attention auto]
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def parse_args(argv=None):
   ap.add_argument("--rounds", type=int, default=2, help="timed calls of each side")
   ap.add_argument("--preset", default="bench-tiny")
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  ap.add_argument("--attention", default="auto", choices=("auto", "plain", "blockwise", "cudnn"),
+                  help="model.attention (plain: XLA's decode attention on a GPU too)")
   ap.add_argument("--seed", type=int, default=0)
   return ap.parse_args(argv)
 
@@ -47,6 +51,28 @@ def static_row_steps(lengths: np.ndarray, k: int) -> int:
   token, in blocks of k steps after the first token."""
   longest = int(lengths.max())
   return lengths.size * k * -(-(longest - 1) // k)
+
+
+def prompt_reads(prompt_lengths_P: np.ndarray, lengths_PxG: np.ndarray, live_prompts: list) -> tuple:
+  """(the prompts' share of the decode steps' valid-slot reads, the share of those reads that
+  reading each prompt's slots once per step for its live rows would save): a decode step of a
+  request with t tokens so far reads its prompt's slots and its t own; `live_prompts` holds
+  the continuous engine's schedule (per block, the prompt of each live decode step or -1)."""
+  steps_PxG = lengths_PxG.astype(np.int64) - 1
+  prompt = int((steps_PxG * prompt_lengths_P[:, None]).sum())
+  total = prompt + int((steps_PxG * (steps_PxG + 1) // 2).sum())
+  once = 0
+  for block_SxK in live_prompts:
+    for step_S in block_SxK.T:
+      once += int(prompt_lengths_P[np.unique(step_S[step_S >= 0])].sum())
+  return prompt / total, (prompt - once) / total
+
+
+def decode_attention_name(kernels, sampler) -> str:
+  """Which decode attention the sampler's programs run."""
+  if kernels.decode_attention is not None:
+    return "Pallas, each row's own slots (kernels/gpu.py)"
+  return "C++ (sampling.cpu_kernels)" if sampler.uses_cpu_kernels() else "XLA, every slot"
 
 
 def largest_program_bytes(sampler) -> int:
@@ -59,6 +85,7 @@ def main(argv=None) -> None:
   import jax.numpy as jnp
   from flax import nnx
 
+  from epgrpo_jax.kernels import seam
   from epgrpo_jax.models import Qwen2, preset
   from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
   from packing import math_lengths
@@ -70,7 +97,7 @@ def main(argv=None) -> None:
   rng = np.random.default_rng(args.seed)
   lp_P = rng.choice(prompt_lengths, p)
   lengths_PxG = np.minimum(rng.choice(completion_lengths, (p, g)), args.new_tokens).astype(np.int32)
-  cfg = preset(args.preset, param_dtype=args.dtype, dtype=args.dtype)
+  cfg = preset(args.preset, param_dtype=args.dtype, dtype=args.dtype, attention=args.attention)
   model = nnx.eval_shape(lambda: Qwen2(cfg, rngs=nnx.Rngs(args.seed)))
   C._fill_random(model, args.seed, jnp.dtype(args.dtype))
   prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lp_P]
@@ -83,6 +110,7 @@ def main(argv=None) -> None:
   sides = {"static": Sampler(base),
            "continuous": Sampler(base.replace(continuous=True, slots=args.slots,
                                               refill_every=args.refill_every))}
+  print(f"decode attention: {decode_attention_name(seam.choose(cfg), sides['static'])}")
   graph = nnx.split(model)
   key = jax.random.key(args.seed)
   outs = {}
@@ -124,6 +152,9 @@ def main(argv=None) -> None:
   peak = C.device_peak_bytes()
   peak_text = (f"device peak {peak / 2**30:.2f} GiB" if peak is not None else
                f"process peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
+  share, saved = prompt_reads(lp_P, lengths_PxG, sides["continuous"].live_prompts)
+  print(f"decode attention, valid-slot reads: prompts {share:.1%}; each prompt's slots read once "
+        f"per step for its live rows (continuous schedule) would save {saved:.1%}")
   print(f"continuous / static: {rates['continuous'] / rates['static']:.2f}x useful tokens/s; "
         f"compiled while timed: {compiles.count}; {peak_text}\nsame completions: {same}")
   print(C.machine_line())

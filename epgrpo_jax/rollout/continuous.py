@@ -198,6 +198,7 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
   queue = collections.deque(range(r_count))
   owner = [-1] * s  # the request in each slot
   sampler.decode_row_steps = 0  # rows x decode steps run, for benchmarks
+  sampler.live_prompts = []  # per block, [rows, k]: the prompt of each live decode step, else -1
   while True:
     rows = len(owner)
     busy = [i for i in range(rows) if owner[i] >= 0]
@@ -225,6 +226,8 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
     slots, block = program(*args)
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))
+    prompt_of = np.asarray([o // g if o >= 0 else -1 for o in owner])[:, None]
+    sampler.live_prompts.append(np.where(out.live_Sxk[:, 1:], prompt_of, -1))
     for i in range(rows):
       r = owner[i]
       if r < 0:
