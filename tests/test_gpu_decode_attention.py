@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from epgrpo_jax.kernels import gpu, seam
 from epgrpo_jax.models import XLA, Qwen2, attend, preset
@@ -63,6 +65,23 @@ class TestRowSpans(chex.TestCase):
     lo, hi = self.variant(gpu.row_spans)(allowed, jnp.asarray([3, 6, 5]))  # per-row limits
     np.testing.assert_array_equal(lo, [1, 0, 0])
     np.testing.assert_array_equal(hi, [3, 0, 1])
+
+
+SPANS = jax.jit(gpu.row_spans)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=9, max_size=9), min_size=3, max_size=3),
+       st.integers(0, 9))
+def test_row_spans_bracket_every_allowed_slot_below_the_limit(rows, limit):
+  allowed = np.asarray(rows) & (np.arange(9) < limit)
+  lo, hi = map(np.asarray, SPANS(jnp.asarray(rows), limit))
+  for b in range(3):
+    if not allowed[b].any():
+      assert lo[b] == hi[b] == 0
+      continue
+    assert allowed[b, lo[b]] and allowed[b, hi[b] - 1]
+    assert not allowed[b, :lo[b]].any() and not allowed[b, hi[b]:].any()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])

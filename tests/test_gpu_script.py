@@ -34,7 +34,8 @@ def test_gpu_script_dry_run(tmp_path):
   assert "FAILED" not in text, text[-4000:]
   for figure in ("tokens/s", "update / loss+backward+optimizer", "MFU", "blockwise", "plain",
                  "model FLOPs", "profiled step, device op time", "attention", "lm_head",
-                 "compiled footprint", "useful-slot fraction", "compiled while timed: 0"):
+                 "compiled footprint", "useful-slot fraction", "compiled while timed: 0",
+                 "decode attention: ", "valid-slot reads: prompts"):
     assert figure in text, f"{figure!r} missing from the dry run's figures:\n{text[-4000:]}"
 
 
