@@ -2,7 +2,8 @@
 this CPU, it equals XLA's one-token attention over per-row spans with GQA, odd lengths, holes
 and garbage in the slots it must not read, in float32 and bfloat16; it lowers to a Triton
 call for CUDA; the seam picks it for one-device GPU programs only; and the continuous engine
-running it gives every request the same completion as with XLA's attention."""
+(and the static sampler) running it give every request the same completion as with XLA's
+attention."""
 
 from __future__ import annotations
 
@@ -150,14 +151,16 @@ def test_the_seam_picks_it_for_one_gpu_device_only():
 PROMPTS = [[9, 17, 33, 12], [44, 13, 50, 12, 17, 27, 21]]
 
 
-def test_continuous_engine_with_it_gives_the_xla_completions(monkeypatch):
-  """The engine's programs built as for a GPU (the seam told the platform is gpu), the kernel
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "static"])
+def test_the_sampler_with_it_gives_the_xla_completions(monkeypatch, continuous):
+  """The sampler's programs built as for a GPU (the seam told the platform is gpu), the kernel
   run by the interpreter: every request's tokens equal those of XLA's decode attention on
-  the CPU, log-probs and entropies within 1e-5. Blockwise prefill on both sides."""
+  the CPU, log-probs and entropies within 1e-5; the continuous engine (a cache index per
+  row) and the static sampler (one index, finished rows). Blockwise prefill on both sides."""
   model = Qwen2(preset("test-tiny").replace(attention="blockwise"), rngs=nnx.Rngs(0))
   model.lm_head[...] = model.lm_head[...] * 3.0
   cfg = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=12, cpu_kernels=False,
-                       continuous=True, slots=2, refill_every=3)
+                       continuous=continuous, slots=2, refill_every=3)
 
   def run():
     return Sampler(cfg, eos_ids=tuple(range(1, 9))).sample(model, PROMPTS, 3, jax.random.key(1))
