@@ -4,7 +4,8 @@ each row's span of cache slots, behind `Kernels.decode_attention`.
 XLA's one-token attention (`models.attend`) reads all S slots of every row at every step,
 whatever the row's length. Here each row's span is cut from the slots its `allowed_BxS` marks
 (first to last, below `limit`), so a row that has written 300 of its 2,304 slots reads 300
-(block-rounded), and a finished row whose new slots are not valid reads no more than its own.
+(block-rounded), and a finished slot of the continuous engine (its index stands still) no
+more than it held.
 Within the span the mask applies slot by slot: what an invalid slot holds (an earlier
 request's keys, NaN) reaches neither the scores nor the output.
 
