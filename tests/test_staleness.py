@@ -14,7 +14,8 @@ from hypothesis import given
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
 from epgrpo_jax.training.rollouts import SampledRound
-from epgrpo_jax.training.staleness import StaleRollouts, batch_keys, split_devices, too_stale
+from epgrpo_jax.training.staleness import (StaleRollouts, batch_keys, batches_wanted, split_devices,
+                                           too_stale)
 from epgrpo_jax.training.trainer import Trainer
 from helpers import arithmetic_task, rl_step_config
 
@@ -85,22 +86,29 @@ class Counter:
     return ["x"] * len(tokens), tokens[:, 0]
 
 
-def queue(k: int) -> tuple[StaleRollouts, Counter]:
+def queue(k: int, steps: int = 100) -> tuple[StaleRollouts, Counter]:
   c = Counter()
   return StaleRollouts(k, draw=c.draw, params=lambda v: v, sample=c.sample, reward=c.reward,
-                       examples=list(range(8))), c
+                       examples=list(range(8)), steps=steps), c
+
+
+def test_batches_wanted_literal():
+  # k = 2, a run of 5 steps: 3 at the start, then one new a step, none drawn by the last two.
+  assert [batches_wanted(s, 5, 2) for s in range(5)] == [3, 3, 3, 2, 1]
+  assert [batches_wanted(s, 2, 3) for s in range(2)] == [2, 1]
+  assert batches_wanted(0, 1, 1) == 1 and batches_wanted(7, 5, 2) == 1  # past the end: its own
 
 
 @given(k=st.integers(1, 3), steps=st.integers(1, 8))
 def test_consecutive_steps_train_on_version_step_minus_k(k, steps):
-  q, c = queue(k)
+  q, c = queue(k, steps)
   try:
     for s in range(steps):
       rnd, _, rewards, version, m = q.take(s, s, jax.random.key(s))
       assert version == max(s - k, 0) == rnd.tokens[0, 0, 0] == rewards[0]
       assert m["rollout/staleness"] == min(s, k) and m["rollout/dropped_stale"] == 0
-      assert len(q.queue) == k
-    assert c.drawn == steps + k  # k batches drawn ahead, none dropped
+      assert len(q.queue) == min(k, steps - 1 - s)  # one batch for each step still to come
+    assert c.drawn == steps and not q.queue  # every batch drawn is trained on, none wasted
   finally:
     q.close()
 
@@ -172,6 +180,8 @@ def test_k0_is_the_synchronous_step_and_k1_samples_ahead_with_the_versions_it_sa
     # never clipped.
     assert m3["sampling/sampling_logp_difference/mean"] > 10 * m1["sampling/sampling_logp_difference/mean"]
     assert m3["clip_ratio/region_mean"] == 0.0
+    # The last step drew nothing ahead: no batch is sampled that the run never trains on.
+    assert m3["rollout/in_flight"] == 0.0 and not stale.rollouts.queue
   finally:
     stale.close()
 

@@ -41,6 +41,13 @@ def too_stale(version: int, step: int, max_staleness: int) -> bool:
   return step - version > max_staleness
 
 
+def batches_wanted(step: int, steps: int, max_staleness: int) -> int:
+  """How many batches are in flight once step `step` (of `steps`) has drawn: its own and one for
+  each of the next k steps that the run will take (none for a step past the last, so the
+  last k steps draw nothing new), at least 1."""
+  return 1 + max(min(max_staleness, steps - 1 - step), 0)
+
+
 def batch_keys(sample_key: jax.Array, count: int) -> list[jax.Array]:
   """The sampling keys of `count` batches drawn at one step: the step's sample key first (so a
   step that draws one batch samples it as the synchronous run would), then fold_in(key, j)."""
@@ -85,12 +92,13 @@ class StaleRollouts:
   `params(trainable)` the policy as the sampler takes it (main thread: a copy of the adapters,
   or the adapters sent to the rollout mesh); `sample(params, examples, key)` a SampledRound and
   `reward(examples, completion_BxN, mask_BxN)` its (texts, RewardResult) (both in the worker
-  thread; `examples`: `pipeline.Example`s).
+  thread; `examples`: `pipeline.Example`s). `steps`: the run's number of steps
+  (`train.steps`): no batch is drawn for a step past the last (`batches_wanted`).
   """
 
   def __init__(self, max_staleness: int, *, draw: Callable, params: Callable, sample: Callable,
-               reward: Callable, examples: list):
-    self.k = max_staleness
+               reward: Callable, examples: list, steps: int):
+    self.k, self.steps = max_staleness, steps
     self.draw, self.params, self.sample, self.reward = draw, params, sample, reward
     self.examples = examples
     self.queue: collections.deque[InFlight] = collections.deque()
@@ -106,13 +114,14 @@ class StaleRollouts:
   def take(self, trainable, step: int, sample_key: jax.Array):
     """The batch step `step` trains on: (SampledRound, texts, rewards, version, metrics).
     First drops the batches too stale for this step, then draws as many new batches (sampled
-    by `trainable`, version `step`) as keep k in flight after this one is taken."""
+    by `trainable`, version `step`) as keep k in flight after this one is taken, fewer near
+    the run's end (`batches_wanted`)."""
     dropped = 0
     while self.queue and too_stale(self.queue[0].version, step, self.k):
       self.queue.popleft().future.result()  # let it finish: the worker runs one job at a time
       dropped += 1
-    want = self.k + 1 - len(self.queue)
-    if want:
+    want = batches_wanted(step, self.steps, self.k) - len(self.queue)
+    if want > 0:
       params = self.params(trainable)
       for key in batch_keys(sample_key, want):
         indices = np.asarray(self.draw(), np.int64)

@@ -141,7 +141,7 @@ class Trainer:
       self.rollouts = StaleRollouts(
           cfg.rollout.max_staleness, draw=lambda: distributed.allgather_rows(next(self.data_iter)),
           params=self.sampler_params, sample=self.sample_examples, reward=self.score_rewards,
-          examples=self.train_examples)
+          examples=self.train_examples, steps=t.steps)
 
   # -- state ------------------------------------------------------------------------------
 
