@@ -14,8 +14,8 @@ from hypothesis import given
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
 from epgrpo_jax.training.rollouts import SampledRound
-from epgrpo_jax.training.staleness import (StaleRollouts, batch_keys, batches_wanted, split_devices,
-                                           too_stale)
+from epgrpo_jax.training.staleness import (StaleRollouts, batch_keys, batches_wanted, run_steps,
+                                           split_devices, too_stale)
 from epgrpo_jax.training.trainer import Trainer
 from helpers import arithmetic_task, rl_step_config
 
@@ -92,11 +92,13 @@ def queue(k: int, steps: int = 100) -> tuple[StaleRollouts, Counter]:
                        examples=list(range(8)), steps=steps), c
 
 
-def test_batches_wanted_literal():
+def test_batches_wanted_and_run_steps_literal():
   # k = 2, a run of 5 steps: 3 at the start, then one new a step, none drawn by the last two.
   assert [batches_wanted(s, 5, 2) for s in range(5)] == [3, 3, 3, 2, 1]
   assert [batches_wanted(s, 2, 3) for s in range(2)] == [2, 1]
   assert batches_wanted(0, 1, 1) == 1 and batches_wanted(7, 5, 2) == 1  # past the end: its own
+  # train.max_samples stops the run after the first step whose P x G = 16 completions reach it.
+  assert [run_steps(10, m, 16) for m in (0, 32, 40, 1000)] == [10, 2, 3, 10]
 
 
 @given(k=st.integers(1, 3), steps=st.integers(1, 8))

@@ -4,7 +4,8 @@ With k >= 1 a step's batch is not sampled when the step starts: `StaleRollouts` 
 in flight, sampled and rewarded by one worker thread with the policy of the step that drew them,
 while the main thread scores and updates. Each batch carries its policy version v, the number of
 optimizer steps its sampling policy had taken; at step s (s steps taken) it is trained on only if
-s - v <= k, and an older one is dropped (counted) and replaced by a fresh batch. The worker's
+s - v <= k, and an older one is dropped (counted) and replaced by a fresh batch. No batch is
+drawn for a step past the run's last, so none is sampled and left untrained. The worker's
 sampler programs and the main thread's update programs are both dispatched to JAX: on a rollout
 mesh beside the training mesh they run at the same time; on one device the device work takes
 turns and only the host's share overlaps (the decode loop's host side, detokenising, rewards).
@@ -46,6 +47,13 @@ def batches_wanted(step: int, steps: int, max_staleness: int) -> int:
   each of the next k steps that the run will take (none for a step past the last, so the
   last k steps draw nothing new), at least 1."""
   return 1 + max(min(max_staleness, steps - 1 - step), 0)
+
+
+def run_steps(steps: int, max_samples: int, samples_per_step: int) -> int:
+  """The number of steps a run takes: `train.steps`, or fewer when `train.max_samples` (0: no
+  bound) stops it first, after the first step whose completions reach it (a run with rollouts
+  ahead samples exactly `samples_per_step` = P x G a step: no dynamic sampling)."""
+  return min(steps, -(-max_samples // samples_per_step)) if max_samples else steps
 
 
 def batch_keys(sample_key: jax.Array, count: int) -> list[jax.Array]:

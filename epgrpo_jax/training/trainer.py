@@ -42,7 +42,7 @@ from epgrpo_jax.training.metrics import step_report
 from epgrpo_jax.training.packing import check_segments, pack_micro_batches
 from epgrpo_jax.training.programs import Policy, StepShardings
 from epgrpo_jax.training.rollouts import Collected, SampledRound, dynamic_round_batch, truncated_rows
-from epgrpo_jax.training.staleness import StaleRollouts, check_rollout_mesh, split_devices
+from epgrpo_jax.training.staleness import StaleRollouts, check_rollout_mesh, run_steps, split_devices
 
 log = logging.getLogger("epgrpo_jax.training.trainer")
 
@@ -141,7 +141,8 @@ class Trainer:
       self.rollouts = StaleRollouts(
           cfg.rollout.max_staleness, draw=lambda: distributed.allgather_rows(next(self.data_iter)),
           params=self.sampler_params, sample=self.sample_examples, reward=self.score_rewards,
-          examples=self.train_examples, steps=t.steps)
+          examples=self.train_examples,
+          steps=run_steps(t.steps, t.max_samples, t.prompts_per_step * t.num_generations))
 
   # -- state ------------------------------------------------------------------------------
 
