@@ -109,6 +109,41 @@ def test_corrected_loss_by_hand():
   np.testing.assert_allclose(np.asarray(grad)[0], expected_grad, rtol=1e-5)
 
 
+def test_corrected_kl_by_hand():
+  """`loss.rollout_correction_kl`: each token's KL term times the same detached weight as its
+  surrogate, w_t KL_k3(t); the reported `rollout_corr/weighted_ref_kl` is their token mean."""
+  logp = jnp.array([[-1.0, -2.0, -0.7]])
+  behaviour = logp - jnp.array([[0.5, -3.0, 0.0]])  # r = e^0.5 (capped at 1.5), e^-3, 1
+  ref_gap = jnp.array([[0.2, 2.5, -0.1]])  # the second token: pi fell far below ref and mu
+  adv, mask = jnp.array([[1.0, -2.0, 0.5]]), jnp.ones((1, 3), bool)
+  cfg = LossConfig(beta=0.1, rollout_correction="token", rollout_correction_cap=1.5,
+                   rollout_correction_kl=True)
+  w = [1.5, math.exp(-3.0), 1.0]
+  gaps = (0.2, 2.5, -0.1)
+  kl = [math.exp(g) - g - 1 for g in gaps]
+
+  def loss_of(lp, c):
+    return policy_loss(lp, jax.lax.stop_gradient(lp), logp + ref_gap, adv, mask, c,
+                       logp_behaviour_BxT=behaviour)
+
+  loss, aux = loss_of(logp, cfg)
+  expected = -sum(w[t] * float(adv[0, t]) - 0.1 * w[t] * kl[t] for t in range(3)) / 3
+  assert float(loss) == pytest.approx(expected, rel=1e-6)
+  assert float(aux["rollout_corr/weighted_ref_kl"]) == pytest.approx(sum(
+      w[t] * kl[t] for t in range(3)) / 3, rel=1e-6)
+  assert float(aux["kl"]) == pytest.approx(sum(kl) / 3, rel=1e-6)  # the plain k3 mean, as before
+  # d/dlogp: (-w_t A_t + beta w_t (1 - e^g_t)) / T: the weight scales the KL gradient too.
+  grad = jax.grad(lambda lp: loss_of(lp, cfg)[0])(logp)
+  expected_grad = [(-w[t] * float(adv[0, t]) + 0.1 * w[t] * (1 - math.exp(gaps[t]))) / 3
+                   for t in range(3)]
+  np.testing.assert_allclose(np.asarray(grad)[0], expected_grad, rtol=1e-5)
+  # Off: the KL term is unweighted, as TRL's; the weighted metric is not reported.
+  loss_off, aux_off = loss_of(logp, cfg.replace(rollout_correction_kl=False))
+  assert float(loss_off) == pytest.approx(
+      -sum(w[t] * float(adv[0, t]) - 0.1 * kl[t] for t in range(3)) / 3, rel=1e-6)
+  assert "rollout_corr/weighted_ref_kl" not in aux_off
+
+
 MODES = [(level, mode) for level in ("token", "sequence", "geometric")
          for mode in ("truncate", "mask")]
 
@@ -128,7 +163,8 @@ def test_identical_logprobs_leave_loss_and_gradient_unchanged_bit_for_bit(level,
   for agg, is_level, quantile in itertools.product(AGGREGATIONS, ("token", "sequence"), (1.0, 0.5)):
     base = LossConfig(beta=0.04, aggregation=agg, importance_sampling_level=is_level,
                       top_entropy_quantile=quantile)
-    corrected = base.replace(rollout_correction=level, rollout_correction_mode=mode)
+    corrected = base.replace(rollout_correction=level, rollout_correction_mode=mode,
+                             rollout_correction_kl=quantile == 1.0)  # the KL term weighted too
 
     def value_and_grad(cfg, behaviour):
       f = lambda lp: policy_loss(lp, logp_old, logp_ref, adv, mask, cfg, entropy,
@@ -159,6 +195,10 @@ def test_the_correction_needs_behaviour_logprobs():
     ({"rollout_correction_low": 2.0}, "loss.rollout_correction_low: must be >= 0 and < "
                                       "loss.rollout_correction_high (2.0), got 2.0"),
     ({"rollout_correction_low": -0.1}, "loss.rollout_correction_low: must be >= 0"),
+    ({"rollout_correction_kl": True}, "loss.rollout_correction_kl: true weights the KL term by "
+                                      "the correction's weights, and loss.rollout_correction is 'none'"),
+    ({"rollout_correction_kl": 1, "rollout_correction": "token"},
+     "loss.rollout_correction_kl: must be a bool, got 1"),
 ])
 def test_bad_correction_settings_name_the_key(overrides, message):
   with pytest.raises(UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
@@ -192,7 +232,8 @@ def task(tmp_path_factory):
 
 @pytest.mark.parametrize("overrides", [
     ("loss.rollout_correction=sequence", "loss.rollout_correction_mode=mask"),
-    ("loss.rollout_correction=token", "train.fused_update=false", "train.num_iterations=2")],
+    ("loss.rollout_correction=token", "train.fused_update=false", "train.num_iterations=2",
+     "loss.rollout_correction_kl=true")],
     ids=["fused-sequence-mask", "separate-token-truncate"])
 def test_a_training_step_measures_and_corrects(task, tmp_path, overrides):
   from epgrpo_jax.training.trainer import Trainer
@@ -202,9 +243,13 @@ def test_a_training_step_measures_and_corrects(task, tmp_path, overrides):
   finally:
     trainer.close()
   keys = [k for k in m if k.startswith(("sampling/sampling_logp", "rollout_corr/"))]
-  assert len(keys) == 11, keys  # 10 measured, the share the correction dropped
+  weighted_kl = "loss.rollout_correction_kl=true" in overrides
+  # 10 measured, the share the correction dropped, the weighted KL when the option is on
+  assert len(keys) == 11 + weighted_kl, keys
   assert all(math.isfinite(m[k]) for k in keys)
   # The tiny float32 model: the sampler's and the trainer's log-probs agree to rounding.
   assert 0.0 <= m["sampling/sampling_logp_difference/max"] < 1e-3
   assert abs(m["rollout_corr/k3_kl"]) < 1e-6
   assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+  if weighted_kl:  # weights within rounding of 1: the weighted KL is the plain one
+    assert m["rollout_corr/weighted_ref_kl"] == pytest.approx(m["kl"], rel=1e-3, abs=1e-9)

@@ -44,6 +44,9 @@ class LossConfig:
   rollout_correction_cap: float = 2.0  # also the [1/cap, cap] of the mismatch metrics
   rollout_correction_low: float = 0.5
   rollout_correction_high: float = 2.0
+  # The KL term weighted by the same detached weights as the surrogate (an importance-sampled
+  # k3 estimate of KL(pi || ref) over the sampler's tokens; docs/async.md). Needs a correction.
+  rollout_correction_kl: bool = False
 
   def __post_init__(self):
     if not 0 <= self.eps_low < 1:
@@ -69,6 +72,12 @@ class LossConfig:
     mismatch.check_correction(self.rollout_correction, self.rollout_correction_mode,
                               self.rollout_correction_cap, self.rollout_correction_low,
                               self.rollout_correction_high)
+    if not isinstance(self.rollout_correction_kl, bool):
+      raise UserError(f"loss.rollout_correction_kl: must be a bool, got {self.rollout_correction_kl!r}")
+    if self.rollout_correction_kl and self.rollout_correction == "none":
+      raise UserError("loss.rollout_correction_kl: true weights the KL term by the correction's "
+                      "weights, and loss.rollout_correction is 'none'; set it to token, sequence "
+                      "or geometric")
 
   def replace(self, **kw: Any) -> LossConfig:
     return dataclasses.replace(self, **kw)
@@ -123,6 +132,15 @@ def sequence_log_ratio(logp_BxT: jax.Array, logp_old_BxT: jax.Array,
   return jnp.where(mask_BxT, log_s_B[:, None] + token_BxT, 0.0)
 
 
+def corrected_kl(kl_BxT: jax.Array, weight_BxT: jax.Array) -> jax.Array:
+  """The per-token k3 KL weighted by the detached importance weight w_t = pi_old / mu of the
+  token's sampler: `w_t * KL_k3(t)`. Over tokens drawn from mu, its mean estimates
+  KL(pi || ref) as the plain k3 mean does over tokens drawn from pi; a token the policy has
+  since made unlikely (pi << mu, where exp(log ref - log pi) explodes) counts with the small
+  weight its probability now has."""
+  return jax.lax.stop_gradient(weight_BxT) * kl_BxT
+
+
 def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.Array,
                 adv_BxT: jax.Array, mask_BxT: jax.Array, cfg: LossConfig = LossConfig(),
                 entropy_BxT: jax.Array | None = None, *, denominator: jax.Array | None = None,
@@ -148,7 +166,8 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
   `logp_behaviour_BxT`, the sampler's log-probs, adds the mismatch metrics of `logp_old_BxT`
   against them (`mismatch.rollout_mismatch`) to `aux`; `cfg.rollout_correction` other than
   "none" (which requires them) multiplies each token's surrogate by the detached
-  `mismatch.correction_weight` (the KL term and the denominator stay as they are, as TRL).
+  `mismatch.correction_weight` (the KL term and the denominator stay as they are, as TRL);
+  `cfg.rollout_correction_kl` multiplies each token's KL term by it too (`corrected_kl`).
 
   Both parts are in `aux` ("loss_numerator", "loss_denominator"). For exact
   gradient accumulation over micro-batches, pass the full batch's denominator
@@ -187,7 +206,8 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
         low=cfg.rollout_correction_low, high=cfg.rollout_correction_high)
     surrogate_BxT = surrogate_BxT * weight_BxT
   kl_BxT = jnp.exp(ref_gap_BxT) - ref_gap_BxT - 1.0
-  per_token_BxT = jnp.where(mask_BxT, -(surrogate_BxT - cfg.beta * kl_BxT), 0.0)
+  kl_term_BxT = corrected_kl(kl_BxT, weight_BxT) if cfg.rollout_correction_kl else kl_BxT
+  per_token_BxT = jnp.where(mask_BxT, -(surrogate_BxT - cfg.beta * kl_term_BxT), 0.0)
 
   m_BxT = mask_BxT.astype(_F32)
   length_B = jnp.sum(m_BxT, axis=-1)
@@ -233,6 +253,9 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
                                          cap=cfg.rollout_correction_cap))
   if cfg.rollout_correction != "none":
     aux.update(mismatch.weight_metrics(weight_BxT, mask_BxT))
+  if cfg.rollout_correction_kl:
+    aux["rollout_corr/weighted_ref_kl"] = jax.lax.stop_gradient(
+        _masked_mean(kl_term_BxT, mask_BxT, num_tokens))
   if entropy_BxT is not None:
     aux["entropy"] = jax.lax.stop_gradient(
         _masked_mean(entropy_BxT.astype(_F32), mask_BxT, num_tokens))
