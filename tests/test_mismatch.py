@@ -137,11 +137,14 @@ def test_corrected_kl_by_hand():
   expected_grad = [(-w[t] * float(adv[0, t]) + 0.1 * w[t] * (1 - math.exp(gaps[t]))) / 3
                    for t in range(3)]
   np.testing.assert_allclose(np.asarray(grad)[0], expected_grad, rtol=1e-5)
-  # Off: the KL term is unweighted, as TRL's; the weighted metric is not reported.
+  # Off: the KL term is unweighted, as TRL's; the weighted mean is still measured.
   loss_off, aux_off = loss_of(logp, cfg.replace(rollout_correction_kl=False))
   assert float(loss_off) == pytest.approx(
       -sum(w[t] * float(adv[0, t]) - 0.1 * kl[t] for t in range(3)) / 3, rel=1e-6)
-  assert "rollout_corr/weighted_ref_kl" not in aux_off
+  assert float(aux_off["rollout_corr/weighted_ref_kl"]) == float(aux["rollout_corr/weighted_ref_kl"])
+  # No correction: neither the weights nor the weighted KL.
+  aux_none = loss_of(logp, LossConfig(beta=0.1))[1]
+  assert not any(k.startswith(("rollout_corr/weighted", "sampling/importance")) for k in aux_none)
 
 
 MODES = [(level, mode) for level in ("token", "sequence", "geometric")
@@ -243,13 +246,12 @@ def test_a_training_step_measures_and_corrects(task, tmp_path, overrides):
   finally:
     trainer.close()
   keys = [k for k in m if k.startswith(("sampling/sampling_logp", "rollout_corr/"))]
-  weighted_kl = "loss.rollout_correction_kl=true" in overrides
-  # 10 measured, the share the correction dropped, the weighted KL when the option is on
-  assert len(keys) == 11 + weighted_kl, keys
+  # 10 measured, the share the correction dropped, the weighted KL to the reference
+  assert len(keys) == 12, keys
   assert all(math.isfinite(m[k]) for k in keys)
   # The tiny float32 model: the sampler's and the trainer's log-probs agree to rounding.
   assert 0.0 <= m["sampling/sampling_logp_difference/max"] < 1e-3
   assert abs(m["rollout_corr/k3_kl"]) < 1e-6
   assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
-  if weighted_kl:  # weights within rounding of 1: the weighted KL is the plain one
-    assert m["rollout_corr/weighted_ref_kl"] == pytest.approx(m["kl"], rel=1e-3, abs=1e-9)
+  # Weights within rounding of 1: the weighted KL is the plain one.
+  assert m["rollout_corr/weighted_ref_kl"] == pytest.approx(m["kl"], rel=1e-3, abs=1e-9)

@@ -167,7 +167,8 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
   against them (`mismatch.rollout_mismatch`) to `aux`; `cfg.rollout_correction` other than
   "none" (which requires them) multiplies each token's surrogate by the detached
   `mismatch.correction_weight` (the KL term and the denominator stay as they are, as TRL);
-  `cfg.rollout_correction_kl` multiplies each token's KL term by it too (`corrected_kl`).
+  `cfg.rollout_correction_kl` multiplies each token's KL term by it too (`corrected_kl`; the
+  mean of the weighted term is in `aux` whenever a correction is on).
 
   Both parts are in `aux` ("loss_numerator", "loss_denominator"). For exact
   gradient accumulation over micro-batches, pass the full batch's denominator
@@ -253,9 +254,8 @@ def policy_loss(logp_BxT: jax.Array, logp_old_BxT: jax.Array, logp_ref_BxT: jax.
                                          cap=cfg.rollout_correction_cap))
   if cfg.rollout_correction != "none":
     aux.update(mismatch.weight_metrics(weight_BxT, mask_BxT))
-  if cfg.rollout_correction_kl:
     aux["rollout_corr/weighted_ref_kl"] = jax.lax.stop_gradient(
-        _masked_mean(kl_term_BxT, mask_BxT, num_tokens))
+        _masked_mean(corrected_kl(kl_BxT, weight_BxT), mask_BxT, num_tokens))
   if entropy_BxT is not None:
     aux["entropy"] = jax.lax.stop_gradient(
         _masked_mean(entropy_BxT.astype(_F32), mask_BxT, num_tokens))
