@@ -22,6 +22,7 @@ side sees the same machine load; the median block gives steps/s.
 
   XLA_FLAGS is set here (8 host devices). python benchmarks/async.py [--prompts 8] [--samples 8]
       [--new-tokens 512] [--steps 3] [--warmup 2] [--rounds 2] [--preset bench-tiny]
+      [--only "1 device"] [--set sampling.continuous=true ...]
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def parse_args(argv=None):
   ap.add_argument("--preset", default="bench-tiny")
   ap.add_argument("--only", default="", help="comma-separated side names (default: all four)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                  help="config overrides for every side (e.g. sampling.continuous=true)")
   return ap.parse_args(argv)
 
 
@@ -87,7 +90,7 @@ def main(argv=None) -> None:
   print(f"{args.preset} float32 LoRA, P x G = {args.prompts} x {args.samples}, max_new_tokens "
         f"{args.new_tokens}; prompt lengths {prompt_lengths.min()}-{prompt_lengths.max()}, completion "
         f"lengths mean {completion_lengths.mean():.0f} median {np.median(completion_lengths):.0f} "
-        f"(capped at {args.new_tokens})")
+        f"(capped at {args.new_tokens}); overrides {' '.join(args.set) or 'none'}")
 
   devices = jax.devices()
   sides = {  # name: (overrides, mesh override)
@@ -103,7 +106,7 @@ def main(argv=None) -> None:
   for i, (name, (extra, mesh)) in enumerate(sides.items()):
     overrides = C.trainer_overrides(model_dir, train_file, tmp / f"run{i}", shape, *extra,
                                     "checkpoint.every=0",
-                                    f"sampling.prompt_buckets=[{args.max_prompt_tokens}]")
+                                    f"sampling.prompt_buckets=[{args.max_prompt_tokens}]", *args.set)
     trainer = Trainer(TrainConfig().override(*overrides), mesh=mesh)
     trainer.sampler.sample = with_lengths(trainer.sampler, completion_lengths, args.seed)
     state = trainer.restore_or_init()
