@@ -229,3 +229,24 @@ def test_bad_engine_settings_name_their_key(key, value, message):
 def test_a_request_longer_than_a_slot_names_the_key(model):
   with pytest.raises(UserError, match="sampling.slot_tokens: 16 cannot hold a request"):
     sample(model, GREEDY, continuous=True, slot_tokens=16)
+
+
+
+def test_continuous_batching_on_a_mesh_gives_each_request_the_static_completion():
+  from epgrpo_jax.models import param_rules
+  from epgrpo_jax.parallel import sharding
+  from epgrpo_jax.rollout import continuous
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))  # the 8 fake devices
+  graphdef, state = nnx.split(tiny_model())
+  state = jax.device_put(state, sharding.state_shardings(state, mesh, param_rules(tiny_model().cfg)))
+  engine = Sampler(NUCLEUS.replace(max_new_tokens=20, cpu_kernels=False, continuous=True, slots=8,
+                                   refill_every=3), eos_ids=EOS, mesh=mesh)
+  got = engine.sample((graphdef, state), PROMPTS, 3, jax.random.key(1))
+  assert_same_completions(got, completions(NUCLEUS, cpu_kernels=False))  # the static sampler, one device
+  # The slots' rows split over data x fsdp, the cache's kv heads over tensor.
+  slots = continuous.empty_slots(tiny_model().cfg, 8, 64, None, jax.random.split(jax.random.key(0), 2))
+  placed = continuous.slot_shardings(slots, mesh)
+  assert placed.done_S.spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+  assert placed.cache["k"][0].spec[:2] == (("data", "fsdp"), "tensor")
+  assert continuous.slot_shardings(continuous.empty_slots(tiny_model().cfg, 2, 64, None, slots.keys_S),
+                                   mesh).done_S.spec == jax.sharding.PartitionSpec(None)  # 2 rows: replicated

@@ -12,15 +12,22 @@ rows (one program per row count), so the tail of long completions does not drag 
 A request's token t is drawn with fold_in(its key, t) (`decode.token_keys`), so its tokens
 depend neither on its slot nor on its neighbours: with the keys `decode.request_keys`
 gives, a request's completion is the static sampler's for the same prompt and sample.
+
+The queue can grow while it runs (`run`'s `on_group`): when the G requests of a prompt are
+done, the caller may queue the next prompt, taken from further batches of P prompts that
+are prefilled into a store of fixed size as they are needed (DAPO dynamic sampling,
+`training.rollouts.dynamic_refill_batch`). On a mesh the slots' rows are split over its
+batch axes (data x fsdp), the prompt store is replicated, and the weights stay as placed.
 See docs/sampling.md ("Continuous batching").
 
 Shape suffixes: S slots, C = each slot's cache capacity, Tp prompt slots, P prompts,
-R requests, k tokens per block (K stays the models' kv heads).
+Q prompts the store holds, R requests, k tokens per block (K stays the models' kv heads).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Callable
 
@@ -32,9 +39,12 @@ from jax import lax
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import XLA, Kernels, as_dtype, init_cache, rope_table
+from epgrpo_jax.parallel import sharding
+from epgrpo_jax.parallel.distributed import put
+from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, left_pad, prepared_model,
+                                       request_keys, stops, token_keys, weights_of)
 
-from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, prepared_model, stops,
-                                       token_keys, weights_of)
+NamedSharding = jax.sharding.NamedSharding
 
 
 @struct.dataclass
@@ -151,63 +161,139 @@ def run_block(graphdef, state, weights, store, first_logits_PxV, prompt_len_P, s
     step = functools.partial(decode_step, model, logits_of, rope, eos_E=eos_E, choose=choose,
                              pad_id=pad_id, kernels=kernels)
     slots, steps = lax.scan(lambda c, _: step(c), slots, length=k)
+  slots = _on_mesh(slots, mesh)
   columns = [jnp.concatenate([a[:, None], b.T], axis=1) for a, b in zip(first, steps)]
   return slots, Block(*columns)
 
 
-def _shrink(slots: Slots, order_s: jax.Array) -> Slots:
+def slot_shardings(slots: Slots, mesh) -> Slots:
+  """Where the slots live on `mesh`: rows split over its batch axes (data x fsdp, where they
+  divide the row count; `sharding.spec_for`), the cache's other axes as
+  `sharding.cache_shardings` has them."""
+  def rows(x):
+    return NamedSharding(mesh, sharding.spec_for(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh))
+  cache = sharding.cache_shardings(slots.cache, mesh)
+  cache["index"] = rows(slots.cache["index"])
+  return jax.tree.map(rows, slots).replace(cache=cache)
+
+
+def _on_mesh(slots: Slots, mesh) -> Slots:
+  """`slots` constrained to `slot_shardings` inside a program (as they are without a mesh)."""
+  return slots if mesh is None else lax.with_sharding_constraint(slots, slot_shardings(slots, mesh))
+
+
+def _shrink(slots: Slots, order_s: jax.Array, mesh=None) -> Slots:
   """The slots `order_s` (a gather over every per-slot leaf), as a state of fewer rows."""
-  return jax.tree.map(lambda x: x[order_s] if x.ndim else x, slots)
+  return _on_mesh(jax.tree.map(lambda x: x[order_s] if x.ndim else x, slots), mesh)
 
 
-def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarray, g: int,
-             keys_R: jax.Array, max_new: int, eos_E: jax.Array,
-             stop_after_R: np.ndarray | None = None) -> SampleOutput:
-  """The P x G requests (request r = p * G + g, key keys_R[r]) through `config.slots` slots;
-  the same output as the static sampler's. `stop_after_R` caps each request's length."""
-  cfg, pad = sampler.config, sampler.pad_id
-  p, tp = ids_PxTp.shape
-  r_count, s, k = p * g, cfg.slots, cfg.refill_every
+def check_mesh(mesh) -> None:
+  """The engine's host loop drives one process; on a mesh its slots split over the batch axes."""
+  if jax.process_count() > 1:
+    raise UserError(f"sampling.continuous: runs in one process ({jax.process_count()} here); set it "
+                    f"false for a run over several processes")
+
+
+@dataclasses.dataclass
+class Batch:
+  """Prompts the engine takes at once: ids and mask [P, Tp] (left-padded to the call's Tp), the
+  requests' keys [P * G] (request p * G + g) and length caps [P * G]."""
+
+  ids_PxTp: np.ndarray
+  mask_PxTp: np.ndarray
+  keys_R: jax.Array
+  caps_R: np.ndarray
+
+
+def prefill_into(graphdef, state, ids_PxTp, mask_PxTp, offset, store=None, *, cfg, native: bool,
+                 cache_dtype, rows: int, mesh=None):
+  """The program that prefills P prompts into rows [offset, offset + P) of the prompt store
+  (its caches, and the logits after each prompt's last token), a store of `rows` prompts
+  (zeros when `store` is None; replicated on a mesh): (store, logits [rows, V])."""
+  with prepared_model(graphdef, state, cfg, native and cfg.packed_weights, prepare=False,
+                      mesh=mesh) as (model, logits_of, kernels):
+    cache_P, logits_PxV = prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype, kernels)
+  if store is None:
+    store = (jax.tree.map(lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype) if x.ndim else x, cache_P),
+             jnp.zeros((rows,) + logits_PxV.shape[1:], logits_PxV.dtype))
+  def write(whole, part):
+    return lax.dynamic_update_slice(whole, part, (offset,) + (0,) * (part.ndim - 1)) if part.ndim else whole
+  store = jax.tree.map(write, store, (cache_P, logits_PxV))
+  return store if mesh is None else lax.with_sharding_constraint(store, sharding.replicated(mesh))
+
+
+def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
+        next_batch: Callable[[int], Batch | None], batches: int = 1,
+        on_group: Callable[[int, np.ndarray, np.ndarray], bool] | None = None) -> SampleOutput:
+  """The engine: the G requests of each prompt queued through `config.slots` slots.
+
+  Batch 0 (`next_batch(0)`, P prompts) is queued at once. When the G requests of prompt q
+  are all done, `on_group(q, tokens_GxN, mask_GxN)` says whether to queue one more prompt:
+  the next one of the batches taken so far, else of batch `next_batch(b)`, b < `batches`
+  (None: no more). Returns the outputs of the Q prompts queued, in queue order, as host
+  arrays [Q, G, max_new] (`SampleOutput`).
+  """
+  cfg, pad, mesh = sampler.config, sampler.pad_id, sampler.mesh
+  check_mesh(mesh)
+  first = next_batch(0)
+  p, tp = first.ids_PxTp.shape
+  s, k = cfg.slots, cfg.refill_every
   capacity = slot_capacity(cfg, tp, max_new)
   native = sampler.uses_cpu_kernels()
   cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
-  caps_R = np.full(r_count, max_new, np.int32)
-  if stop_after_R is not None:
-    caps_R = np.minimum(caps_R, np.asarray(stop_after_R, np.int32).reshape(r_count))
-  ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
+  place = jnp.asarray if mesh is None else functools.partial(put, sharding=sharding.replicated(mesh))
+  load_fn = functools.partial(prefill_into, graphdef, cfg=cfg, native=native, cache_dtype=cache_dtype,
+                              rows=p * batches, mesh=mesh)
+  r_count = p * batches * g  # room for every request of the batches
+  ids_QxTp = np.full((p * batches, tp), pad, np.int32)
+  mask_QxTp = np.zeros((p * batches, tp), bool)
+  keys_impl = jax.random.key_impl(first.keys_R)
+  key_data_R = np.zeros((r_count,) + jax.random.key_data(first.keys_R).shape[1:], np.uint32)
+  caps_R = np.zeros(r_count, np.int32)
+  store = None
 
-  def prefill_program(state, ids, mask):
-    with prepared_model(graphdef, state, cfg, native and cfg.packed_weights, prepare=False,
-                        mesh=sampler.mesh) as (model, logits_of, kernels):
-      return prefill(model, logits_of, ids, mask, cache_dtype, kernels)
+  def load(b: int, batch: Batch):
+    nonlocal store
+    rows = slice(b * p, (b + 1) * p)
+    requests = slice(b * p * g, (b + 1) * p * g)
+    ids_QxTp[rows], mask_QxTp[rows] = batch.ids_PxTp, batch.mask_PxTp
+    key_data_R[requests] = np.asarray(jax.random.key_data(batch.keys_R))
+    caps_R[requests] = batch.caps_R
+    args = (state, place(batch.ids_PxTp), place(batch.mask_PxTp), place(np.int32(b * p)))
+    if store is not None:
+      args += (store,)
+    tag = f"prefill prompts={p} into={p * batches} prompt_len={tp}" + (" more" if store is not None else "")
+    store = sampler.compiled(graphdef, tag, load_fn, args, donate=(4,) if store is not None else ())(*args)
 
-  store, first_logits = sampler.compiled(graphdef, f"prefill prompts={p} prompt_len={tp}",
-                                         prefill_program, (state, ids, mask))(state, ids, mask)
-  prompt_len_P = jnp.sum(mask, axis=-1, dtype=jnp.int32)
+  load(0, first)
   block_fn = functools.partial(run_block, graphdef, cfg=cfg, native=native, k=k, capacity=capacity,
-                               pad_id=pad, mesh=sampler.mesh)
-  packed = native and cfg.packed_weights
-  prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=packed)
+                               pad_id=pad, mesh=mesh)
+  prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=native and cfg.packed_weights)
   weights = sampler.compiled(graphdef, "prepare weights", prepare, (state,))(state)
-  slots = empty_slots(nnx.merge(graphdef, state).cfg, s, capacity, cache_dtype, keys_R)
+  slots = empty_slots(nnx.merge(graphdef, state).cfg, s, capacity, cache_dtype, first.keys_R)
+  if mesh is not None:
+    slots = jax.device_put(slots, slot_shardings(slots, mesh))
 
   tokens_RxN = np.full((r_count, max_new), pad, np.int32)
   logp_RxN = np.zeros((r_count, max_new), np.float32)
   entropy_RxN = np.zeros((r_count, max_new), np.float32)
   lengths_R = np.zeros(r_count, np.int32)
-  queue = collections.deque(range(r_count))
+  done_Q = np.zeros(p * batches, np.int32)  # requests of each prompt done
+  queue = collections.deque(range(p * g))
+  queued, loaded = p, 1  # prompts queued, batches taken
+  more = on_group is not None  # whether a finished group may still queue a prompt
   owner = [-1] * s  # the request in each slot
   sampler.decode_row_steps = 0  # rows x decode steps run, for benchmarks
   sampler.live_prompts = []  # per block, [rows, k]: the prompt of each live decode step, else -1
   while True:
     rows = len(owner)
     busy = [i for i in range(rows) if owner[i] >= 0]
-    while not queue and rows > 1 and len(busy) <= rows // 2:  # the tail: fewer rows
+    while not queue and not more and rows > 1 and len(busy) <= rows // 2:  # the tail: fewer rows
       rows //= 2
       order = busy + [i for i in range(len(owner)) if owner[i] < 0][:rows - len(busy)]
-      order_arg = jnp.asarray(order, jnp.int32)
+      order_arg = place(np.asarray(order, np.int32))
       shrink = sampler.compiled(graphdef, f"shrink slots={len(owner)}->{rows} capacity={capacity}",
-                                _shrink, (slots, order_arg))
+                                functools.partial(_shrink, mesh=mesh), (slots, order_arg))
       slots = shrink(slots, order_arg)
       owner = [owner[i] for i in order]
       busy = list(range(len(busy)))
@@ -219,15 +305,17 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
         owner[i], fill[i], prompt_s[i], key_idx[i], cap_s[i] = r, True, r // g, r, caps_R[r]
     if all(o < 0 for o in owner):
       break
-    args = (state, weights, store, first_logits, prompt_len_P, slots, jnp.asarray(fill), jnp.asarray(prompt_s),
-            keys_R[jnp.asarray(key_idx)], jnp.asarray(cap_s), eos_E)
-    tag = f"block slots={rows} tokens={k} prompts={p} prompt_len={tp} capacity={capacity}"
+    keys_S = jax.random.wrap_key_data(place(key_data_R[key_idx]), impl=keys_impl)
+    args = (state, weights, store[0], store[1], place(mask_QxTp.sum(axis=1, dtype=np.int32)), slots,
+            place(fill), place(prompt_s), keys_S, place(cap_s), eos_E)
+    tag = f"block slots={rows} tokens={k} prompts={p * batches} prompt_len={tp} capacity={capacity}"
     program = sampler.compiled(graphdef, tag, block_fn, args, donate=(5,))  # the slots
     slots, block = program(*args)
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))
     prompt_of = np.asarray([o // g if o >= 0 else -1 for o in owner])[:, None]
     sampler.live_prompts.append(np.where(out.live_Sxk[:, 1:], prompt_of, -1))
+    finished = []
     for i in range(rows):
       r = owner[i]
       if r < 0:
@@ -240,9 +328,64 @@ def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarr
       entropy_RxN[r, end - n_live:end] = out.entropy_Sxk[i][live]
       if done_S[i]:
         lengths_R[r], owner[i] = end, -1
-  mask_RxN = np.arange(max_new)[None, :] < lengths_R[:, None]
-  shape = (p, g, max_new)
+        finished.append(r)
+    for r in finished:
+      q = r // g
+      done_Q[q] += 1
+      if done_Q[q] < g or on_group is None:
+        continue
+      group = slice(q * g, (q + 1) * g)
+      if not on_group(q, tokens_RxN[group], np.arange(max_new)[None, :] < lengths_R[group, None]) or not more:
+        continue
+      if queued == loaded * p:  # every prompt taken is queued: the next batch
+        batch = next_batch(loaded) if loaded < batches else None
+        if batch is None:
+          more = False
+          continue
+        load(loaded, batch)
+        loaded += 1
+      queue.extend(range(queued * g, (queued + 1) * g))
+      queued += 1
+  requests = queued * g
+  shape = (queued, g, max_new)
+  mask_RxN = np.arange(max_new)[None, :] < lengths_R[:requests, None]
   return SampleOutput(
-      tokens=jnp.asarray(tokens_RxN.reshape(shape)), mask=jnp.asarray(mask_RxN.reshape(shape)),
-      logp=jnp.asarray(logp_RxN.reshape(shape)), entropy=jnp.asarray(entropy_RxN.reshape(shape)),
-      lengths=jnp.asarray(lengths_R.reshape(p, g)), prompt_ids=ids, prompt_mask=mask)
+      tokens=tokens_RxN[:requests].reshape(shape), mask=mask_RxN.reshape(shape),
+      logp=logp_RxN[:requests].reshape(shape), entropy=entropy_RxN[:requests].reshape(shape),
+      lengths=lengths_R[:requests].reshape(queued, g), prompt_ids=ids_QxTp[:queued],
+      prompt_mask=mask_QxTp[:queued])
+
+
+def generate(sampler, graphdef, state, ids_PxTp: np.ndarray, mask_PxTp: np.ndarray, g: int,
+             keys_R: jax.Array, max_new: int, eos_E: jax.Array,
+             stop_after_R: np.ndarray | None = None) -> SampleOutput:
+  """The P x G requests (request r = p * G + g, key keys_R[r]) through `config.slots` slots;
+  the same output as the static sampler's. `stop_after_R` caps each request's length."""
+  caps_R = np.full(ids_PxTp.shape[0] * g, max_new, np.int32)
+  if stop_after_R is not None:
+    caps_R = np.minimum(caps_R, np.asarray(stop_after_R, np.int32).reshape(-1))
+  batch = Batch(np.asarray(ids_PxTp, np.int32), np.asarray(mask_PxTp, bool), keys_R, caps_R)
+  out = run(sampler, graphdef, state, g, max_new, eos_E, lambda b: batch)
+  return jax.tree.map(jnp.asarray, out)
+
+
+def sample_queue(sampler, model: tuple, g: int, next_prompts: Callable[[int], tuple | None],
+                 on_group: Callable[[int, np.ndarray, np.ndarray], bool], batches: int, *,
+                 prompt_len: int) -> SampleOutput:
+  """`run` over batches of prompts refilled on demand: `next_prompts(b)` gives batch b's token
+  lists and key (its requests' keys `request_keys(key, P, G)`, the static sampler's for that
+  key), or None; prompts are left-padded to `prompt_len` slots; `model` is (graphdef, state)."""
+  graphdef, state = model
+  max_new, pad = sampler.config.max_new_tokens, sampler.pad_id
+
+  def batch(b: int) -> Batch | None:
+    got = next_prompts(b)
+    if got is None:
+      return None
+    prompts, key = got
+    if max(len(x) for x in prompts) > prompt_len:
+      raise ValueError(f"a prompt of {max(len(x) for x in prompts)} tokens exceeds prompt_len {prompt_len}")
+    ids, mask = left_pad(prompts, prompt_len, pad)
+    return Batch(ids, mask, request_keys(key, len(prompts), g), np.full(len(prompts) * g, max_new, np.int32))
+
+  return run(sampler, graphdef, state, g, max_new, sampler.stop_ids(), batch, batches, on_group)

@@ -61,6 +61,18 @@ def shared_programs():
     _SHARED_PROGRAMS = previous
 
 
+def _placement(x):
+  """An argument's sharding as a program's signature holds it: a named sharding's spec without
+  trailing None (XLA returns P('data') for a P('data', None) input)."""
+  placed = getattr(x, "sharding", None)
+  if not isinstance(placed, sharding.NamedSharding):
+    return placed
+  spec = tuple(placed.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return placed.mesh, spec, placed.memory_kind
+
+
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
   return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
 
@@ -241,12 +253,8 @@ class Sampler:
       key = put(key, sharding.replicated(self.mesh))
     else:
       ids, mask = jnp.asarray(ids_PxTp), jnp.asarray(mask_PxTp)
-    eos = () if self.config.ignore_eos else tuple(self.eos_ids if eos_ids is None else eos_ids)
-    eos = jnp.asarray(eos or (-1,), jnp.int32)  # -1: never matches
+    eos = self.stop_ids(eos_ids)
     if self.config.continuous:
-      if self.mesh is not None and self.mesh.size > 1:
-        raise UserError("sampling.continuous: runs on one device; set it false with a mesh of "
-                        f"{self.mesh.size} devices")
       return continuous.generate(self, graphdef, state, ids_PxTp, mask_PxTp, num_samples,
                                  request_keys(key, p, num_samples), max_new, eos, stop_after)
     native = self.uses_cpu_kernels()
@@ -265,13 +273,18 @@ class Sampler:
                         logp=out.logp[..., :max_new], entropy=out.entropy[..., :max_new])
     return out
 
+  def stop_ids(self, eos_ids: Sequence[int] | None = None) -> jax.Array:
+    """The stop ids [E] a call tests (`eos_ids`, else the sampler's; none with `ignore_eos`)."""
+    eos = () if self.config.ignore_eos else tuple(self.eos_ids if eos_ids is None else eos_ids)
+    return jnp.asarray(eos or (-1,), jnp.int32)  # -1: never matches
+
   def compiled(self, graphdef, tag: str, fn: Callable, args, donate: tuple[int, ...] = ()):
     """`fn` jitted and compiled for `args` once per (model structure, `tag`, argument
     signature), the arguments `donate` donated
     (updated in place); shared within `shared_programs`; each compilation counted and logged."""
     leaves, treedef = jax.tree.flatten(args)
     signature = (graphdef, tag, treedef,
-                 tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+                 tuple((x.shape, x.dtype, _placement(x)) for x in leaves))
     program = self._programs.get(signature)
     shared_key = (self.config, self.eos_ids, self.pad_id, self.mesh, signature)
     if program is None and _SHARED_PROGRAMS is not None:

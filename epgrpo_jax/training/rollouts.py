@@ -52,7 +52,7 @@ class Collected:
   advantage: jax.Array | None  # [P, G, N]
   components: Any  # advantages.Components
   adv_metrics: dict[str, Any] | None
-  rounds: int  # sampling rounds (dynamic sampling)
+  sampled_prompts: int  # prompts sampled (dynamic sampling samples more than P)
   dynamic_metrics: dict[str, float]
   version_B: np.ndarray | None = None  # the policy version (optimizer steps) that sampled each
   rollout_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # `staleness`
@@ -130,6 +130,30 @@ def merge_rewards(results: list, keep: np.ndarray, G: int):
   return merged
 
 
+def decided_rewards(result, P: int, G: int):
+  """`result` with process 0's rewards (float32) in every process: all select the same groups."""
+  result.reward = distributed.broadcast_from_main(
+      np.asarray(result.reward, np.float32).reshape(P, G)).reshape(-1)
+  return result
+
+
+def kept_batch(rounds: list[SampledRound], texts: list[list[str]], results: list, has_signal: np.ndarray,
+               P: int, G: int, pad_id: int):
+  """The P groups `select_groups` keeps of the groups drawn (`rounds`, their texts and reward
+  results, in draw order): `(round, texts, rewards, selection metrics)`."""
+  keep = select_groups(has_signal, P)
+  batch = merge_rounds(rounds, keep, pad_id)
+  all_texts = [x for sub in texts for x in sub]
+  kept_texts = [all_texts[g * G + i] for g in keep for i in range(G)]
+  kept_signal = int(has_signal[keep].sum())
+  metrics = {
+      "dynamic/dropped_groups": float((~has_signal).sum() - (P - kept_signal)),
+      "dynamic/filled_zero_variance_groups": float(P - kept_signal),
+      "dynamic/surplus_signal_groups": float(has_signal.sum() - kept_signal),
+  }
+  return batch, kept_texts, merge_rewards(results, keep, G), metrics
+
+
 def dynamic_round_batch(cfg, sample_key: jax.Array, sample_round: Callable, score_rewards: Callable,
                         pad_id: int):
   """DAPO dynamic sampling: `(round, texts, rewards, metrics)` for P groups (`cfg`: the run's
@@ -152,30 +176,63 @@ def dynamic_round_batch(cfg, sample_key: jax.Array, sample_round: Callable, scor
     rnd = sample_round(key)
     text, result = score_rewards(rnd.examples, rnd.tokens.reshape(P * G, -1),
                                  rnd.mask.reshape(P * G, -1))
-    # Every process selects the same groups: process 0's rewards decide.
-    result.reward = distributed.broadcast_from_main(
-        np.asarray(result.reward, np.float32).reshape(P, G)).reshape(-1)
+    result = decided_rewards(result, P, G)
     rounds.append(rnd)
     texts.append(text)
     results.append(result)
     signal.append(group_has_signal(result.reward.reshape(P, G), cfg.advantage.zero_std_tol))
     if np.concatenate(signal).sum() >= P:
       break
-  has_signal = np.concatenate(signal)
-  keep = select_groups(has_signal, P)
-  batch = merge_rounds(rounds, keep, pad_id)
-  flat = lambda lists: [x for sub in lists for x in sub]
-  all_texts = flat(texts)
-  kept_texts = [all_texts[g * G + i] for g in keep for i in range(G)]
-  rewards = merge_rewards(results, keep, G)
-  kept_signal = int(has_signal[keep].sum())
-  metrics = {
-      "dynamic/rounds": float(len(rounds)),
-      "dynamic/extra_prompts": float((len(rounds) - 1) * P),
-      "dynamic/dropped_groups": float((~has_signal).sum() - (P - kept_signal)),
-      "dynamic/filled_zero_variance_groups": float(P - kept_signal),
-      "dynamic/surplus_signal_groups": float(has_signal.sum() - kept_signal),
-  }
+  batch, kept_texts, rewards, selection = kept_batch(rounds, texts, results, np.concatenate(signal),
+                                                     P, G, pad_id)
+  metrics = {"dynamic/rounds": float(len(rounds)), "dynamic/extra_prompts": float((len(rounds) - 1) * P),
+             "dynamic/refilled_prompts": 0.0, "dynamic/unused_prompts": 0.0, **selection}
+  return batch, kept_texts, rewards, metrics
+
+
+def dynamic_refill_batch(cfg, sample_key: jax.Array, draw: Callable, sample_queue: Callable,
+                         score_rewards: Callable, pad_id: int):
+  """DAPO dynamic sampling refilled from the continuous engine's queue (`sampling.continuous`):
+  `(round, texts, rewards, metrics)` for P groups, as `dynamic_round_batch`.
+
+  `draw()` takes the data iterator's next P examples; `sample_queue(next_prompts, on_group,
+  batches)` runs the engine (`rollout.continuous.sample_queue`). The engine starts with the
+  first P prompts, sampled with `sample_key`. When the G completions of a prompt are done
+  they are rewarded (`score_rewards`); a group without a reward signal queues the next
+  prompt, from further batches of P taken from the iterator as they are needed (batch b
+  sampled with `fold_in(sample_key, b)`: each prompt's keys are the rounds path's for the
+  same draw), up to `dynamic_sampling.max_extra_rounds` batches. So the groups with a
+  signal and those in flight stay P, and the prompts sampled are the shortest prefix of the
+  draw order that holds P groups with a signal (or all the budget allows): `select_groups`
+  keeps the groups `dynamic_round_batch` keeps from the same draws, in the step's shapes.
+  The rest of the last batch taken is never sampled (`dynamic/unused_prompts`); the
+  iterator (checkpointed) counts every batch taken.
+  """
+  P, G = cfg.train.prompts_per_step, cfg.train.num_generations
+  batches = 1 + cfg.dynamic_sampling.max_extra_rounds
+  examples, texts, results, signal = [], {}, {}, {}
+
+  def next_prompts(b: int):
+    examples.extend(draw())
+    return [e.prompt_ids for e in examples[-P:]], sample_key if b == 0 else jax.random.fold_in(sample_key, b)
+
+  def on_group(q: int, tokens_GxN: np.ndarray, mask_GxN: np.ndarray) -> bool:
+    texts[q], result = score_rewards([examples[q]], tokens_GxN, mask_GxN)
+    results[q] = decided_rewards(result, 1, G)
+    signal[q] = group_has_signal(results[q].reward.reshape(1, G), cfg.advantage.zero_std_tol)[0]
+    return not signal[q]
+
+  out = sample_queue(next_prompts, on_group, batches)
+  n = out.tokens.shape[0]
+  drawn = SampledRound(examples[:n], out.prompt_ids, out.prompt_mask, out.tokens, out.mask, out.logp,
+                       out.entropy)
+  has_signal = np.asarray([signal[q] for q in range(n)], bool)
+  batch, kept_texts, rewards, selection = kept_batch(
+      [drawn], [[t for q in range(n) for t in texts[q]]], [results[q] for q in range(n)], has_signal,
+      P, G, pad_id)
+  metrics = {"dynamic/rounds": float(len(examples) // P), "dynamic/extra_prompts": float(n - P),
+             "dynamic/refilled_prompts": float(n - P), "dynamic/unused_prompts": float(len(examples) - n),
+             **selection}
   return batch, kept_texts, rewards, metrics
 
 

@@ -32,6 +32,7 @@ from epgrpo_jax.models import (as_dtype, check_vocab, from_pretrained, load_hf_c
 from epgrpo_jax.parallel import distributed
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
 from epgrpo_jax.rewards import RewardScorer, overlong_penalty, parse_gold
+from epgrpo_jax.rollout import continuous
 from epgrpo_jax.rollout.sampling import Sampler, bucket
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch, split_rows
@@ -41,7 +42,8 @@ from epgrpo_jax.training.config import TrainConfig
 from epgrpo_jax.training.metrics import step_report
 from epgrpo_jax.training.packing import check_segments, pack_micro_batches
 from epgrpo_jax.training.programs import Policy, StepShardings
-from epgrpo_jax.training.rollouts import Collected, SampledRound, dynamic_round_batch, truncated_rows
+from epgrpo_jax.training.rollouts import (Collected, SampledRound, dynamic_refill_batch, dynamic_round_batch,
+                                          truncated_rows)
 from epgrpo_jax.training.staleness import StaleRollouts, check_rollout_mesh, run_steps, split_devices
 
 log = logging.getLogger("epgrpo_jax.training.trainer")
@@ -101,6 +103,8 @@ class Trainer:
                len(self.train_examples), len(self.heldout), self.skips.summary())
     longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
     self.packing_length = packing_length(cfg, longest, model_cfg.max_position_embeddings)
+    # The prompt slots of the dynamic sampling refilled from the engine's queue (fixed per run).
+    self.prompt_slots = bucket(max(len(e.prompt_ids) for e in self.train_examples), cfg.sampling.prompt_buckets)
     self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
     if not self.eos_ids:
       raise UserError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
@@ -220,7 +224,8 @@ class Trainer:
 
     With dynamic sampling (and no `examples`), rewards come first: `dynamic_round_batch`
     samples further batches of prompts until P groups have a reward signal (or the rounds
-    run out), then the scoring pass runs on the P groups it keeps.
+    run out), with `sampling.continuous` `dynamic_refill_batch` queues a further prompt
+    in the engine per group without one; the scoring pass runs on the P groups kept.
     """
     cfg, t = self.cfg, self.cfg.train
     P, G = t.prompts_per_step, t.num_generations
@@ -229,15 +234,19 @@ class Trainer:
 
     # 1. Sample G completions per prompt with the current policy (or, with
     # rollout.max_staleness, take the oldest batch drawn ahead, sampled and rewarded).
-    rewards, dynamic_metrics, rounds, rollout_metrics, version = None, {}, 1, {}, state.step
+    rewards, dynamic_metrics, rollout_metrics, version = None, {}, {}, state.step
     if self.rollouts is not None and examples is None:
       host, texts, rewards, version, rollout_metrics = self.rollouts.take(
           state.trainable, state.step, sample_key)
+    elif cfg.dynamic_sampling.enabled and examples is None and cfg.sampling.continuous:
+      host, texts, rewards, dynamic_metrics = dynamic_refill_batch(
+          cfg, sample_key, self.draw_examples,
+          functools.partial(continuous.sample_queue, self.sampler, self.params(state.trainable), G,
+                            prompt_len=self.prompt_slots), self.score_rewards, self.pad_id)
     elif cfg.dynamic_sampling.enabled and examples is None:
       host, texts, rewards, dynamic_metrics = dynamic_round_batch(
           cfg, sample_key, functools.partial(self.sample_round, state.trainable),
           self.score_rewards, self.pad_id)
-      rounds = int(dynamic_metrics["dynamic/rounds"])
     else:
       host = self.sample_round(state.trainable, sample_key, examples)
     completion_BxN = host.tokens.reshape(P * G, -1)
@@ -288,7 +297,8 @@ class Trainer:
                      completion_BxN=completion_BxN, completion_mask_BxN=completion_mask_BxN,
                      loss_mask_BxN=loss_mask_BxN, truncated_B=truncated_B, logp_old=logp_old,
                      logp_ref=logp_ref, entropy=entropy, advantage=adv, components=comps,
-                     adv_metrics=adv_metrics, rounds=rounds, dynamic_metrics=dynamic_metrics,
+                     adv_metrics=adv_metrics, dynamic_metrics=dynamic_metrics,
+                     sampled_prompts=P + int(dynamic_metrics.get("dynamic/extra_prompts", 0)),
                      version_B=np.full(P * G, version, np.int64), rollout_metrics=rollout_metrics)
 
   def update(self, state: RunState, c: Collected
@@ -330,7 +340,7 @@ class Trainer:
         consecutive_skips=state.consecutive_skips + 1 if skipped else 0,
         skipped_updates=state.skipped_updates + skipped,
         num_tokens=state.num_tokens + num_completion_tokens + num_prompt_tokens,
-        num_samples=state.num_samples + c.rounds * P * G)
+        num_samples=state.num_samples + c.sampled_prompts * G)
     step_time = time.perf_counter() - c.start
     metrics = step_report(cfg, c, update_metrics, new_state, update_time=update_time,
                           step_time=step_time, completion_tokens=num_completion_tokens,
@@ -341,10 +351,11 @@ class Trainer:
   def sample_round(self, trainable: nnx.State, key: jax.Array,
                    examples: list[pipeline.Example] | None = None) -> SampledRound:
     """G completions of each of P prompts: `examples`, else the data iterator's next batch."""
-    if examples is None:
-      # Each process reads its slice of the global batch; all processes see the whole batch.
-      examples = [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
-    return self.sample_examples(self.params(trainable), examples, key)
+    return self.sample_examples(self.params(trainable), examples or self.draw_examples(), key)
+
+  def draw_examples(self) -> list[pipeline.Example]:
+    """The data iterator's next P examples (each process reads its slice; all see the whole)."""
+    return [self.train_examples[i] for i in distributed.allgather_rows(next(self.data_iter))]
 
   def sample_examples(self, params, examples: list[pipeline.Example], key: jax.Array) -> SampledRound:
     """G completions of each of `examples` sampled by `params` ((graphdef, state))."""
