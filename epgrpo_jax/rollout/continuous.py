@@ -187,8 +187,8 @@ def _shrink(slots: Slots, order_s: jax.Array, mesh=None) -> Slots:
   return _on_mesh(jax.tree.map(lambda x: x[order_s] if x.ndim else x, slots), mesh)
 
 
-def check_mesh(mesh) -> None:
-  """The engine's host loop drives one process; on a mesh its slots split over the batch axes."""
+def check_processes() -> None:
+  """The engine's host loop drives one process (one line naming the key where there are more)."""
   if jax.process_count() > 1:
     raise UserError(f"sampling.continuous: runs in one process ({jax.process_count()} here); set it "
                     f"false for a run over several processes")
@@ -234,7 +234,7 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
   arrays [Q, G, max_new] (`SampleOutput`).
   """
   cfg, pad, mesh = sampler.config, sampler.pad_id, sampler.mesh
-  check_mesh(mesh)
+  check_processes()
   first = next_batch(0)
   p, tp = first.ids_PxTp.shape
   s, k = cfg.slots, cfg.refill_every
