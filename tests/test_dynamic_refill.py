@@ -76,7 +76,8 @@ def test_refill_keeps_the_rounds_paths_groups(trainer, seed):
   # Each group without a signal queued one more prompt and was dropped.
   assert m["dynamic/refilled_prompts"] == m["dynamic/extra_prompts"] == m["dynamic/dropped_groups"] > 0
   sampled = P + int(m["dynamic/refilled_prompts"])
-  assert m["dynamic/rounds"] == -(-sampled // P) and m["dynamic/unused_prompts"] == m["dynamic/rounds"] * P - sampled
+  assert m["dynamic/rounds"] == -(-sampled // P)
+  assert m["dynamic/unused_prompts"] == m["dynamic/rounds"] * P - sampled
   reference = fresh_iterator(trainer)
   for _ in range(int(m["dynamic/rounds"])):
     next(reference)
