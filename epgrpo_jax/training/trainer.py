@@ -103,9 +103,8 @@ class Trainer:
                len(self.train_examples), len(self.heldout), self.skips.summary())
     longest = max(len(e.prompt_ids) for e in self.train_examples + self.heldout)
     self.packing_length = packing_length(cfg, longest, model_cfg.max_position_embeddings)
-    # The prompt slots of the dynamic sampling refilled from the engine's queue (fixed per run).
-    self.prompt_slots = bucket(max(len(e.prompt_ids) for e in self.train_examples),
-                               cfg.sampling.prompt_buckets)
+    self.prompt_slots = bucket(max(len(e.prompt_ids) for e in self.train_examples),  # refilled
+                               cfg.sampling.prompt_buckets)  # dynamic sampling's prompts, fixed
     self.eos_ids = stop_token_ids(self.tokenizer, model_cfg)
     if not self.eos_ids:
       raise UserError(f"{model_dir / 'tokenizer_config.json'}: the tokenizer defines no EOS token "
