@@ -138,7 +138,9 @@ class TrainLoopConfig:
 @dataclasses.dataclass(frozen=True)
 class DynamicSamplingConfig:
   """DAPO's dynamic sampling: groups whose rewards are all equal leave the batch, and
-  further batches of prompts are sampled to replace them (`trainer.select_groups`)."""
+  further batches of prompts are sampled to replace them (`rollouts.select_groups`); with
+  `sampling.continuous`, one further prompt per such group is queued in the engine, at most
+  `max_extra_rounds` x P of them (`rollouts.dynamic_refill_batch`)."""
 
   enabled: bool = False
   max_extra_rounds: int = 2  # extra sampling rounds (train.prompts_per_step prompts each)
