@@ -71,7 +71,7 @@ class TestRowSpans(chex.TestCase):
 SPANS = jax.jit(gpu.row_spans)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=max(1, settings.default.max_examples // 10), deadline=None)
 @given(st.lists(st.lists(st.booleans(), min_size=9, max_size=9), min_size=3, max_size=3),
        st.integers(0, 9))
 def test_row_spans_bracket_every_allowed_slot_below_the_limit(rows, limit):

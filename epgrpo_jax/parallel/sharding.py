@@ -189,6 +189,18 @@ def cache_shardings(cache, mesh: Mesh):
   }
 
 
+def placement(x):
+  """An argument's sharding as a program's signature holds it: a named sharding's spec without
+  trailing None (XLA returns P('data') for a P('data', None) input)."""
+  placed = getattr(x, "sharding", None)
+  if not isinstance(placed, NamedSharding):
+    return placed
+  spec = tuple(placed.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return placed.mesh, spec, placed.memory_kind
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

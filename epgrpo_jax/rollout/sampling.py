@@ -39,8 +39,7 @@ from epgrpo_jax.rollout import continuous
 from epgrpo_jax.rollout.decode import (SampleOutput, block, bucket, chooser, in_blocks, left_pad,
                                        prepared_model, request_keys, round_up, stops, token_keys)
 
-__all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends",
-           "shared_programs"]
+__all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends", "shared_programs"]
 
 logger = logging.getLogger("epgrpo_jax.rollout.sampling")
 
@@ -59,18 +58,6 @@ def shared_programs():
     yield
   finally:
     _SHARED_PROGRAMS = previous
-
-
-def _placement(x):
-  """An argument's sharding as a program's signature holds it: a named sharding's spec without
-  trailing None (XLA returns P('data') for a P('data', None) input)."""
-  placed = getattr(x, "sharding", None)
-  if not isinstance(placed, sharding.NamedSharding):
-    return placed
-  spec = tuple(placed.spec)
-  while spec and spec[-1] is None:
-    spec = spec[:-1]
-  return placed.mesh, spec, placed.memory_kind
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -284,7 +271,7 @@ class Sampler:
     (updated in place); shared within `shared_programs`; each compilation counted and logged."""
     leaves, treedef = jax.tree.flatten(args)
     signature = (graphdef, tag, treedef,
-                 tuple((x.shape, x.dtype, _placement(x)) for x in leaves))
+                 tuple((x.shape, x.dtype, sharding.placement(x)) for x in leaves))
     program = self._programs.get(signature)
     shared_key = (self.config, self.eos_ids, self.pad_id, self.mesh, signature)
     if program is None and _SHARED_PROGRAMS is not None:

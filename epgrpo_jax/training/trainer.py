@@ -45,31 +45,9 @@ from epgrpo_jax.training.programs import Policy, StepShardings
 from epgrpo_jax.training.rollouts import (Collected, SampledRound, dynamic_refill_batch, dynamic_round_batch,
                                           truncated_rows)
 from epgrpo_jax.training.staleness import StaleRollouts, check_rollout_mesh, run_steps, split_devices
+from epgrpo_jax.training.state import RunState
 
 log = logging.getLogger("epgrpo_jax.training.trainer")
-
-
-@dataclasses.dataclass
-class RunState:
-  """Everything a checkpoint restores."""
-
-  trainable: nnx.State
-  opt_state: Any
-  key: jax.Array
-  step: int = 0
-  consecutive_skips: int = 0
-  skipped_updates: int = 0
-  num_tokens: int = 0
-  num_samples: int = 0  # completions sampled (dynamic sampling draws more than P x G a step)
-
-  def tree(self) -> dict:
-    return {"trainable": self.trainable, "opt_state": self.opt_state,
-            "key": jax.random.key_data(self.key)}
-
-  def meta(self) -> dict:
-    return {"step": self.step, "consecutive_skips": self.consecutive_skips,
-            "skipped_updates": self.skipped_updates, "num_tokens": self.num_tokens,
-            "num_samples": self.num_samples}
 
 
 class Trainer:
