@@ -16,19 +16,35 @@ process's peak memory. The decode attention the seam chose is named first: on a 
 Pallas kernel that reads each row's own slots (`kernels/gpu.py`), unless `--attention plain`
 (XLA's einsums over every slot, for the prefill as well).
 
+`--profile`: after the timed calls, one more call of each side with every completion cut to
+`--profile-tokens` tokens, traced with `jax.profiler` (`_profile.py`): the device op time of
+the decode steps (the ops of the decode loop's body; on a CPU the XLA ops on the host
+threads) per decode step, split by name scope into decode attention ("attention"), q/k/v, o
+and the MLP ("projections"), the LM head ("lm_head"), the token choice, top-p included
+("sampling"), the KV cache writes ("cache_write") and the rest; the op time outside the
+decode steps (prefill, inserting newcomers, growing the cache); and the ratio of the time per
+step to the weight-read floor (every layer's weights and the head read once per step at the
+device's memory bandwidth: `--hbm-gbps`, else the device kind's known figure).
+
   python benchmarks/rollout.py [--prompts 16] [--samples 8] [--new-tokens 2048] [--slots 32]
       [--refill-every 8] [--rounds 2] [--preset bench-tiny] [--dtype float32] [--attention auto]
+      [--profile] [--profile-tokens 32] [--hbm-gbps 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import resource
 import time
 
 import numpy as np
 
 import _common as C
+import _profile as prof
+
+DECODE_PARTS = ("attention", "projections", "lm_head", "sampling", "cache_write", "rest")
+DECODE_LOOP = re.compile(r"^jit\([^/]*\)/while/body/")  # the program's own loop, not a nested one
 
 
 def parse_args(argv=None):
@@ -43,6 +59,10 @@ def parse_args(argv=None):
   ap.add_argument("--attention", default="auto", choices=("auto", "plain", "blockwise", "cudnn"),
                   help="model.attention (plain: XLA's decode attention on a GPU too)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--profile", action="store_true", help="trace one call of each side (see above)")
+  ap.add_argument("--profile-tokens", type=int, default=32, help="completion length of the traced calls")
+  ap.add_argument("--hbm-gbps", type=float, default=0.0,
+                  help="memory bandwidth for the weight-read floor (0: the device kind's, if known)")
   return ap.parse_args(argv)
 
 
@@ -73,6 +93,46 @@ def decode_attention_name(kernels, sampler) -> str:
   if kernels.decode_attention is not None:
     return "Pallas, each row's own slots (kernels/gpu.py)"
   return "C++ (sampling.cpu_kernels)" if sampler.uses_cpu_kernels() else "XLA, every slot"
+
+
+def decode_parts(instructions: list) -> list[str]:
+  """The part of a decode step (`DECODE_PARTS`) of each instruction (`_profile.hlo_instructions`)
+  of a sampler's program, "outside" for those outside its decode loop: an instruction is in a
+  decode step when its op_name lies in the body of the program's outermost loop (the static
+  sampler's `in_blocks`, the continuous engine's `lax.scan`), or, without an op_name (a copy
+  XLA added), when its computation holds such instructions."""
+  loop = {comp for _, _, op_name, comp in instructions if op_name and DECODE_LOOP.match(op_name)}
+  out = []
+  for _, _, op_name, comp in instructions:
+    inside = bool(DECODE_LOOP.match(op_name)) if op_name else comp in loop
+    out.append(prof.first_scope(op_name, DECODE_PARTS[:-1]) if inside else "outside")
+  return out
+
+
+def weight_bytes(model) -> int:
+  """Bytes a decode step reads of the weights: every parameter but the embedding table (of
+  which it gathers one row per token), and the head (the table itself when tied)."""
+  import jax
+  from flax import nnx
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  embed = model.embed[...]
+  head = model.head_DxV()
+  return total - embed.size * embed.dtype.itemsize + head.size * head.dtype.itemsize
+
+
+def profile_summary(name: str, split: dict, steps: int, rows: float, floor: float | None) -> str:
+  """The lines of one side's profile: op time per decode step by part, outside the decode
+  steps, and the ratio to the weight-read floor (seconds per step, or None)."""
+  decode = sum(split.get(part, 0.0) for part in DECODE_PARTS)
+  per_step = decode / max(steps, 1)
+  parts = ", ".join(f"{part} {split.get(part, 0.0) / max(steps, 1) * 1e3:.3f} ms "
+                    f"({split.get(part, 0.0) / max(decode, 1e-12):.0%})" for part in DECODE_PARTS)
+  floor_text = (f"{per_step / floor:.1f}x the weight-read floor {floor * 1e3:.3f} ms"
+                if floor else "weight-read floor unknown (no bandwidth for this device: --hbm-gbps)")
+  return (f"profile {name}: {steps} decode steps traced, {rows:.1f} rows a step on average; device op "
+          f"time per decode step {per_step * 1e3:.3f} ms: {parts}\n"
+          f"profile {name}: outside the decode steps {split.get('outside', 0.0) * 1e3:.1f} ms "
+          f"(prefill, inserts, cache growth, other programs); {floor_text}")
 
 
 def largest_program_bytes(sampler) -> int:
@@ -157,6 +217,23 @@ def main(argv=None) -> None:
         f"per step for its live rows (continuous schedule) would save {saved:.1%}")
   print(f"continuous / static: {rates['continuous'] / rates['static']:.2f}x useful tokens/s; "
         f"compiled while timed: {compiles.count}; {peak_text}\nsame completions: {same}")
+  if args.profile:
+    cut_PxG = np.minimum(lengths_PxG, args.profile_tokens)
+    bandwidth = prof.hbm_bandwidth(jax.devices()[0].device_kind, args.hbm_gbps)
+    weights = weight_bytes(model)
+    floor = weights / bandwidth if bandwidth else None
+    print(f"profile: completions cut to {args.profile_tokens} tokens; weights read per decode step "
+          f"{weights / 1e9:.3f} GB" + (f" at {bandwidth / 1e9:.0f} GB/s" if bandwidth else ""))
+    for name, sampler in sides.items():
+      split = prof.time_by_part(lambda: sampler.sample(graph, prompts, g, key, stop_after=cut_PxG),
+                                prof.op_parts(sampler._programs.values(), decode_parts), "outside")
+      if name == "static":
+        steps = static_row_steps(cut_PxG, args.stop_check_every) // cut_PxG.size
+        rows = float(cut_PxG.size)
+      else:
+        steps = len(sampler.live_prompts) * args.refill_every
+        rows = sampler.decode_row_steps / max(steps, 1)
+      print(profile_summary(name, split, steps, rows, floor))
   print(C.machine_line())
 
 

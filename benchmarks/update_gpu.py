@@ -20,11 +20,7 @@ over the vocabulary) and the rest (projections, MLP, norms, optimizer, ...).
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import re
 import statistics
-import tempfile
 import time
 
 import jax
@@ -33,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 import _common as C
+import _profile as prof
 from epgrpo_jax.core import advantages, losses
 from epgrpo_jax.models import LoraConfig, Qwen2, flops, preset
 from epgrpo_jax.parallel import sharding
@@ -40,45 +37,6 @@ from epgrpo_jax.training import batches, objective, programs
 from epgrpo_jax.training.packing import pack
 
 SCOPES = ("attention", "lm_head")
-
-
-CONTAINERS = ("while", "conditional", "call")  # their events span their bodies' ops
-
-
-def op_scopes(hlo_text: str) -> dict[str, str]:
-  """{HLO instruction name: "attention" | "lm_head" | "rest"} from each instruction's
-  `op_name` metadata: the JAX name scope it was traced under, also inside transformations
-  ("jvp(attention)", "transpose(jvp(lm_head))"). Loops and calls, whose profile events span
-  their bodies' ops, map to "" (not counted)."""
-  out = {}
-  for name, opcode, rest in re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][a-z\-]*)\((.*)$",
-                                       hlo_text, re.M):
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    scope = next((sc for sc in SCOPES if op_name and re.search(rf"(^|[/(]){sc}([)/]|$)",
-                                                               op_name.group(1))), "rest")
-    out[name] = "" if opcode in CONTAINERS else scope
-  return out
-
-
-def device_time_by_scope(trace_dir: str, scopes: dict[str, str]) -> dict[str, float]:
-  """Seconds of device ops in the profile under `trace_dir` by scope: events of the device
-  planes' "XLA Ops" lines where there are such (GPU, TPU), else every event that names an
-  HLO op (CPU threads); loops and calls left out (their bodies' ops are counted)."""
-  files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-  data = jax.profiler.ProfileData.from_file(files[0])
-  lines = [ln for p in data.planes if p.name.startswith("/device:") for ln in p.lines
-           if ln.name == "XLA Ops"]
-  if not lines:
-    lines = [ln for p in data.planes for ln in p.lines]
-  total: dict[str, float] = collections.defaultdict(float)
-  for line in lines:
-    for event in line.events:
-      stats = dict(event.stats)
-      op = stats.get("hlo_op") or (event.name if line.name == "XLA Ops" else None)
-      scope = scopes.get(op, "rest") if op else ""
-      if scope:
-        total[scope] += event.duration_ns * 1e-9
-  return dict(total)
 
 
 def packed_rollout(rows: int, row_length: int, prompt_len: int, completion_len: int,
@@ -188,14 +146,8 @@ def main() -> None:
     print(f"device memory: no memory_stats here; compiled footprint {footprint / 2**30:.2f} GiB "
           f"(largest program: arguments + temporaries + outputs - aliased)")
 
-  scopes = {}
-  for p in compiled:
-    scopes.update(op_scopes(p.as_text()))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
-    trainable, opt_state = jax.block_until_ready(step(trainable, opt_state))
-    jax.profiler.stop_trace()
-    split = device_time_by_scope(trace_dir, scopes)
+  ops = prof.op_parts(compiled, prof.by_scope(SCOPES))
+  split = prof.time_by_part(lambda: step(trainable, opt_state), ops)
   busy = sum(split.values())
   parts = ", ".join(f"{name} {split.get(name, 0.0) * 1e3:.1f} ms "
                     f"({split.get(name, 0.0) / max(busy, 1e-12):.0%})"

@@ -48,6 +48,16 @@ def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments
                           max_segments=attention[2])
 
 
+def _write(k_BxKxHdxS, v_BxKxSxHd, k_BxKxHdxT, v_BxKxTxHd, write_index, kernels: Kernels):
+  """The cache's keys and values with this block's written at `write_index` (one slot per row
+  where it is [B], so t == 1; else the same slots for every row)."""
+  if write_index.ndim:
+    return (kernels.write_row_slots(k_BxKxHdxS, k_BxKxHdxT[..., 0], write_index, 3),
+            kernels.write_row_slots(v_BxKxSxHd, v_BxKxTxHd[:, :, 0], write_index, 2))
+  return (kernels.write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index)),
+          kernels.write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0)))
+
+
 def _remat_block(layer: "Block", x, angles, valid, segments, attention: tuple[str, int, int],
                  adapters: bool, kernels: Kernels):
   """`Block.__call__` without a cache, its activations recomputed in the backward pass.
@@ -128,7 +138,8 @@ class Attention(nnx.Module):
     prepared products (q/k/v, o, gate/up, down), if any."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
-    q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters, kernels, kernels.product(0))
+    with jax.named_scope("projections"):  # a profile's parts (benchmarks/_profile.py)
+      q, k, v = fused([self.q, self.k, self.v], x_BxTxD, adapters, kernels, kernels.product(0))
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -136,7 +147,9 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
     q, k = rotate(q, *angles), rotate(k, *angles)
     groups = cfg.num_heads // cfg.num_kv_heads
-    o = functools.partial(self.o, adapters=adapters, kernels=kernels, product=kernels.product(1))
+    def o(x):
+      with jax.named_scope("projections"):
+        return self.o(x, adapters=adapters, kernels=kernels, product=kernels.product(1))
     if write_index is None and kernels.causal_attention is not None:
       segments = jnp.zeros(valid_BxS.shape, jnp.int32) if segments_BxS is None else segments_BxS
       with jax.named_scope("attention"):
@@ -146,12 +159,9 @@ class Attention(nnx.Module):
     k_BxKxHdxT, v_BxKxTxHd = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if write_index is None:
       keys, values = k_BxKxHdxT, v_BxKxTxHd
-    elif write_index.ndim:  # one slot per row (t == 1)
-      keys = kernels.write_row_slots(k_BxKxHdxS, k_BxKxHdxT[..., 0], write_index, 3)
-      values = kernels.write_row_slots(v_BxKxSxHd, v_BxKxTxHd[:, :, 0], write_index, 2)
     else:
-      keys = kernels.write_slots(k_BxKxHdxS, k_BxKxHdxT, (0, 0, 0, write_index))
-      values = kernels.write_slots(v_BxKxSxHd, v_BxKxTxHd, (0, 0, write_index, 0))
+      with jax.named_scope("cache_write"):
+        keys, values = _write(k_BxKxHdxS, v_BxKxSxHd, k_BxKxHdxT, v_BxKxTxHd, write_index, kernels)
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
     with jax.named_scope("attention"):  # a profile's attention share (benchmarks/update_gpu.py)
       out = _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS,
@@ -203,7 +213,10 @@ class Block(nnx.Module):
     h, k, v = self.attn(self.input_norm(x).astype(dtype), angles, k, v, valid, offset,
                         write_index, attention, adapters, segments, kernels)
     x = x + h.astype(dtype)
-    x = x + self.mlp(self.post_attn_norm(x).astype(dtype), adapters, kernels).astype(dtype)
+    y = self.post_attn_norm(x).astype(dtype)
+    with jax.named_scope("projections"):  # the MLP, for a profile's parts
+      y = self.mlp(y, adapters, kernels)
+    x = x + y.astype(dtype)
     return x, k, v
 
 

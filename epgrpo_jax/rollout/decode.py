@@ -89,6 +89,14 @@ def token_keys(keys_B: jax.Array, t) -> jax.Array:
 # Weights prepared once per call, outside the decode loop.
 
 
+def scoped(name: str, fn: Callable) -> Callable:
+  """`fn` traced under the name scope `name` (a profile's parts, benchmarks/_profile.py)."""
+  def run(*args, **kwargs):
+    with jax.named_scope(name):
+      return fn(*args, **kwargs)
+  return run
+
+
 def _group_weights(model: CausalLM) -> list[list[jax.Array] | None]:
   """Each projection group's kernels in the compute dtype; None for a group with unmerged
   adapters (it runs its layers one by one)."""
@@ -157,16 +165,18 @@ def prepared_model(graphdef, state, cfg, packed: bool, prepare: bool = True, wei
   if weights is None:
     weights = prepared_weights(model, packing)
   table, logits_of = products(model, packing, weights, kernels)
-  yield model, logits_of, (dataclasses.replace(kernels, products=table) if prepare else kernels)
+  yield model, scoped("lm_head", logits_of), (dataclasses.replace(kernels, products=table) if prepare
+                                                 else kernels)
 
 
 def chooser(cfg, kernels: bool) -> Callable:
   """(keys_B, logits_BxV) -> (tokens_B, logp_B, entropy_B): `sample_step`, its thresholds in
   C++ with `kernels`, and with top-k off the whole draw in C++ (`cpu_kernels.nucleus_draw`)."""
   if kernels and not cfg.is_greedy and cfg.top_k == 0:
-    return functools.partial(cpu_kernels.nucleus_draw, temperature=cfg.temperature, top_p=cfg.top_p)
+    return scoped("sampling", functools.partial(cpu_kernels.nucleus_draw, temperature=cfg.temperature,
+                                                top_p=cfg.top_p))
   threshold = cpu_kernels.largest_threshold if kernels else largest_threshold
-  return functools.partial(sample_step, cfg=cfg, threshold=threshold)
+  return scoped("sampling", functools.partial(sample_step, cfg=cfg, threshold=threshold))
 
 
 def stops(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
