@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The accelerator figures on one H100/H200-class GPU (random weights, bf16), in about 21 minutes
-# (the time limits add up to 1,130 s plus start-up; --update-only: about 5).
+# (the time limits add up to 1,170 s plus start-up; --update-only: about 5).
 #
 #   bash benchmarks/gpu.sh [--peak-tflops 989] [--out FILE]   # 989: H100/H200 dense bf16
 #   bash benchmarks/gpu.sh --update-only [...]                 # part 0 only (about 5 minutes)
@@ -25,7 +25,11 @@
 #      shape (16 x 8, 64 slots) and the 3B shape (the paper's: 16 x 8, 2,048 new tokens), the
 #      decode steps' attention the Pallas kernel that reads each row's own slots
 #      (kernels/gpu.py, model.attention auto); the 0.5B run once more with --attention plain
-#      (XLA's attention over every slot) for the kernel's share.
+#      (XLA's attention over every slot) for the kernel's share. The 0.5B and 3B runs with
+#      --profile: one more call of each side, completions cut to 32 tokens, traced with
+#      jax.profiler; the device op time per decode step split into decode attention,
+#      projections/MLP, LM head, sampling, cache writes and the rest, and its ratio to the
+#      weight-read floor (the weights at the device kind's HBM bandwidth, benchmarks/_profile.py).
 # Each part has a time limit, so that a hung part cannot eat the others' time; a part that
 # fails or times out prints FAILED and the script goes on. Everything goes to stdout and to
 # FILE (default benchmarks/results-gpu-<date>.txt, or results-dry-run-<date>.txt); record the
@@ -100,7 +104,7 @@ if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's t
   run 300 "$PY" attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
       --runs 1
   ROLL="--preset bench-tiny --prompts 2 --samples 2 --new-tokens 32 --slots 2 --rounds 1"
-  run 300 "$PY" rollout.py $ROLL
+  run 300 "$PY" rollout.py $ROLL --profile --profile-tokens 16
   run 300 "$PY" rollout.py $ROLL --attention plain
 else
   UPDATE="--rows 8 --row-length 4096 --prompt-len 256 --completion-len 768 --steps 3 --peak-tflops $PEAK"
@@ -118,9 +122,9 @@ else
       --runs 5
   ROLL="--preset qwen2.5-0.5b --dtype bfloat16 --prompts 16 --samples 8 --new-tokens 2048 --slots 64"
   ROLL="$ROLL --rounds 1"
-  run 150 "$PY" rollout.py $ROLL
+  run 170 "$PY" rollout.py $ROLL --profile
   run 150 "$PY" rollout.py $ROLL --attention plain
-  run 240 "$PY" rollout.py --preset qwen2.5-3b --dtype bfloat16 --prompts 16 --samples 8 \
-      --new-tokens 2048 --slots 64 --rounds 1
+  run 260 "$PY" rollout.py --preset qwen2.5-3b --dtype bfloat16 --prompts 16 --samples 8 \
+      --new-tokens 2048 --slots 64 --rounds 1 --profile
 fi
 echo; echo "total $((SECONDS - START)) s; results written to $OUT"

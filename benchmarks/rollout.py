@@ -223,7 +223,7 @@ def main(argv=None) -> None:
     weights = weight_bytes(model)
     floor = weights / bandwidth if bandwidth else None
     print(f"profile: completions cut to {args.profile_tokens} tokens; weights read per decode step "
-          f"{weights / 1e9:.3f} GB" + (f" at {bandwidth / 1e9:.0f} GB/s" if bandwidth else ""))
+          f"{weights / 1e6:.3f} MB" + (f" at {bandwidth / 1e9:g} GB/s" if bandwidth else ""))
     for name, sampler in sides.items():
       split = prof.time_by_part(lambda: sampler.sample(graph, prompts, g, key, stop_after=cut_PxG),
                                 prof.op_parts(sampler._programs.values(), decode_parts), "outside")

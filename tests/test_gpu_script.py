@@ -35,7 +35,8 @@ def test_gpu_script_dry_run(tmp_path):
   for figure in ("tokens/s", "update / loss+backward+optimizer", "MFU", "blockwise", "plain",
                  "model FLOPs", "profiled step, device op time", "attention", "lm_head",
                  "compiled footprint", "useful-slot fraction", "compiled while timed: 0",
-                 "decode attention: ", "valid-slot reads: prompts"):
+                 "decode attention: ", "valid-slot reads: prompts", "--profile",
+                 "profile continuous: ", "device op time per decode step", "cache_write"):
     assert figure in text, f"{figure!r} missing from the dry run's figures:\n{text[-4000:]}"
 
 
