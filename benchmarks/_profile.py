@@ -8,8 +8,11 @@ leaves out); `device_time_by_part` sums the durations of the trace's op events b
 device planes' "XLA Ops" lines where there are such (GPU, TPU), else every event that names
 an HLO op (XLA:CPU runs them on host threads, plane "/host:CPU"). Events carry the id of the
 program they ran in (the compiled module's id, read from its serialized proto), so two
-programs that use one instruction name are told apart; where an event has no id, its name
-alone decides.
+programs that use one instruction name are told apart. A program loaded from the persistent
+compilation cache runs under another id: its events are matched by module name and
+instruction name (the first of the module's programs that names the instruction decides,
+so variants of one function at other shapes may lend each other their parts); where an event
+has neither, its name alone decides.
 
 Used by update_gpu.py (attention, LM head, the rest of the update) and rollout.py --profile
 (the parts of a decode step).
@@ -93,19 +96,33 @@ def by_scope(scopes: Sequence[str]) -> PartOf:
 
 
 def op_parts(programs, part_of: PartOf) -> dict:
-  """{(program id, instruction name): part} and {instruction name: part} (the first program
-  that names it; for events without a program id) over compiled `programs` (`jax.stages.Compiled`),
-  with `part_of` deciding each instruction's part; loops and calls get "" (not counted)."""
-  by_id, by_name = {}, {}
+  """Each instruction's part over compiled `programs` (`jax.stages.Compiled`), `part_of`
+  deciding it (loops and calls get "", not counted), keyed three ways: "by_id" {(program id,
+  instruction): part}; "by_module" {(module name, instruction): part} and "by_name"
+  {instruction: part}, the first program that names it deciding (for events of a program
+  under another id, or without one)."""
+  by_id, by_module, by_name = {}, {}, {}
   for program in programs:
-    serialized = program.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()
-    pid = module_id(serialized)
+    module = program.runtime_executable().hlo_modules()[0]
+    pid = module_id(module.as_serialized_hlo_module_proto())
     instructions = hlo_instructions(program.as_text())
     for (name, opcode, _, _), part in zip(instructions, part_of(instructions)):
       part = "" if opcode in CONTAINERS else part
       by_id[(pid, name)] = part
+      by_module.setdefault((module.name, name), part)
       by_name.setdefault(name, part)
-  return {"by_id": by_id, "by_name": by_name}
+  return {"by_id": by_id, "ids": {pid for pid, _ in by_id}, "by_module": by_module, "by_name": by_name}
+
+
+def part_of_event(stats: dict, op: str, parts: dict, default: str) -> str:
+  """The part (`op_parts`) of an op event with `stats`: by program id where the id is one of
+  the programs', else by module name where the event has one, else by instruction name."""
+  pid = stats.get("program_id")
+  if pid is not None and int(pid) in parts["ids"]:
+    return parts["by_id"].get((int(pid), op), default)
+  if "hlo_module" in stats:
+    return parts["by_module"].get((stats["hlo_module"], op), default)
+  return parts["by_name"].get(op, default)
 
 
 def op_lines(trace_dir: str):
@@ -128,10 +145,7 @@ def device_time_by_part(trace_dir: str, parts: dict, default: str = "rest") -> d
       op = stats.get("hlo_op") or (event.name if line.name == "XLA Ops" else None)
       if not op:
         continue
-      if "program_id" in stats:
-        part = parts["by_id"].get((int(stats["program_id"]), op), default)
-      else:
-        part = parts["by_name"].get(op, default)
+      part = part_of_event(stats, op, parts, default)
       if part:
         total[part] += event.duration_ns * 1e-9
   return dict(total)

@@ -25,21 +25,43 @@ def test_scopes_are_whole_components_also_inside_transformations():
   assert prof.first_scope("jit(f)/add", ("attention",), "outside") == "outside"
 
 
-def test_module_id_is_the_program_id_of_the_trace_events(tmp_path):
-  programs = [jax.jit(lambda x: x * 2.0 + 1.0).lower(jnp.ones(8)).compile(),
-              jax.jit(lambda x: x * 3.0 + 1.0).lower(jnp.ones(8)).compile()]
+def first(x):
+  return x * 2.0 + 1.0
+
+
+def second(x):
+  return x * 3.0 + 1.0
+
+
+def merged(*parts: dict) -> dict:
+  return {key: (set().union(*(p[key] for p in parts)) if key == "ids" else
+                {k: v for p in parts for k, v in p[key].items()}) for key in parts[0]}
+
+
+def test_the_ops_of_two_programs_are_told_apart_in_a_trace():
+  programs = [jax.jit(fn).lower(jnp.ones(8)).compile() for fn in (first, second)]
   ids = [prof.module_id(p.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto())
          for p in programs]
   assert None not in ids and ids[0] != ids[1]
-  parts = {"by_id": {}, "by_name": {}}
-  for pid, program, part in zip(ids, programs, ("first", "second")):
-    one = prof.op_parts([program], lambda ins, part=part: [part] * len(ins))
-    assert set(one["by_id"]) == {(pid, name) for name, *_ in prof.hlo_instructions(program.as_text())}
-    parts["by_id"].update(one["by_id"])
+  parts = merged(*(prof.op_parts([program], lambda ins, part=part: [part] * len(ins))
+                   for program, part in zip(programs, ("first", "second"))))
+  names = {name for name, *_ in prof.hlo_instructions(programs[0].as_text())}
+  assert {(ids[0], name) for name in names} <= set(parts["by_id"])
   x = jnp.ones(8)
   split = prof.time_by_part(lambda: [p(x) for p in programs], parts, default="")
-  assert set(split) == {"first", "second"}, split  # the same op names, told apart by program
+  assert set(split) == {"first", "second"}, split  # one op name in each, told apart
   assert all(seconds > 0 for seconds in split.values())
+
+
+def test_an_event_of_a_program_under_another_id_goes_by_its_module():
+  parts = {"by_id": {(4, "fusion"): "a"}, "ids": {4}, "by_module": {("jit_f", "fusion"): "b"},
+           "by_name": {"fusion": "c"}}
+  assert prof.part_of_event({"program_id": 4, "hlo_module": "jit_f"}, "fusion", parts, "x") == "a"
+  assert prof.part_of_event({"program_id": 4}, "copy", parts, "x") == "x"
+  # loaded from the persistent compilation cache: the trace's id is not the module's
+  assert prof.part_of_event({"program_id": 9, "hlo_module": "jit_f"}, "fusion", parts, "x") == "b"
+  assert prof.part_of_event({"program_id": 9, "hlo_module": "jit_g"}, "fusion", parts, "x") == "x"
+  assert prof.part_of_event({}, "fusion", parts, "x") == "c"
 
 
 def test_decode_parts_of_a_literal_program():
