@@ -12,7 +12,9 @@ programs that use one instruction name are told apart. A program loaded from the
 compilation cache runs under another id: its events are matched by module name and
 instruction name (the first of the module's programs that names the instruction decides,
 so variants of one function at other shapes may lend each other their parts); where an event
-has neither, its name alone decides.
+has neither, its name alone decides. Such a program also keeps the `op_name`s of the code
+that first compiled it (the cache's key leaves metadata out): rollout.py --profile turns the
+cache off.
 
 Used by update_gpu.py (attention, LM head, the rest of the update) and rollout.py --profile
 (the parts of a decode step).

@@ -150,6 +150,8 @@ def main(argv=None) -> None:
   from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
   from packing import math_lengths
 
+  if args.profile:  # a program from the persistent cache keeps the op_name scopes of the code
+    jax.config.update("jax_enable_compilation_cache", False)  # that first compiled it
   print(C.machine_line())
   print("jax", jax.__version__, jax.devices()[0].device_kind)
   p, g = args.prompts, args.samples

@@ -92,9 +92,13 @@ MS = r"([\d.]+) ms"
 
 @pytest.mark.slow
 def test_rollout_profile_on_cpu(capsys):
-  rollout.main(["--preset", "bench-tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "16",
-                "--max-prompt-tokens", "64", "--slots", "2", "--rounds", "1", "--profile",
-                "--profile-tokens", "9", "--hbm-gbps", "20"])
+  cache = jax.config.jax_enable_compilation_cache
+  try:
+    rollout.main(["--preset", "bench-tiny", "--prompts", "2", "--samples", "2", "--new-tokens", "16",
+                  "--max-prompt-tokens", "64", "--slots", "2", "--rounds", "1", "--profile",
+                  "--profile-tokens", "9", "--hbm-gbps", "20"])
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
   out = capsys.readouterr().out
   # bench-tiny in float32: 4 layers of q/k/v (+ biases), o, gate/up/down and two norms, the
   # final norm and the tied head (the embedding table read as the head).

@@ -38,6 +38,9 @@ def test_gpu_script_dry_run(tmp_path):
                  "decode attention: ", "valid-slot reads: prompts", "--profile",
                  "profile continuous: ", "device op time per decode step", "cache_write"):
     assert figure in text, f"{figure!r} missing from the dry run's figures:\n{text[-4000:]}"
+  for side in ("static", "continuous"):  # the decode step's parts found by their name scopes
+    line = re.search(rf"profile {side}: .*per decode step.*", text)
+    assert line and not re.search(r"(attention|projections) 0\.000 ms", line.group(0)), text[-4000:]
 
 
 def test_scripts_start_the_interpreter_they_were_started_from():
