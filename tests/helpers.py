@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from epgrpo_jax.models import CausalLM, LoraConfig, ModelConfig, abstract_model, preset, save_pretrained
+from epgrpo_jax.models import _lora
 from epgrpo_jax.models._hf_io import TOKENIZER_FILES
 
 # The real Qwen2.5 tokenizer (fixture `qwen_tokenizer_dir` of tests/conftest.py); its ids
@@ -36,14 +37,15 @@ def randomize(model: CausalLM, seed: int = 0, std: float = 0.2, lora_std: float 
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name = ".".join(map(str, path))
     dtype = var.get_value().dtype
-    if name.endswith(".lora_b") and not lora_std:
+    factor = _lora.factor(name)  # "A", "B" of an adapter, else None
+    if factor == "B" and not lora_std:
       value = np.zeros(var.shape)
-    elif name.endswith(".lora_a") and not lora_std:
+    elif factor == "A" and not lora_std:
       bound = np.sqrt(6.0 / var.shape[0])
       value = rng.uniform(-bound, bound, var.shape)
     else:
       base = 1.0 if name.endswith("norm.weight") else 0.0
-      scale = lora_std if name.endswith((".lora_a", ".lora_b")) else std
+      scale = lora_std if factor else std
       value = base + scale * rng.standard_normal(var.shape)
     var.set_value(jnp.asarray(value, dtype))
   return model

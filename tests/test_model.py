@@ -29,12 +29,12 @@ from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.kernels import seam
 from epgrpo_jax.kernels.cpu import products
 from epgrpo_jax.models import _lora
-from epgrpo_jax.models._lora import Linear, fused, low_rank
+from epgrpo_jax.models._lora import Dense, LoRA, fused, low_rank
 from epgrpo_jax.models import (BASE, LORA, PLAIN_TEMPLATE, LoraConfig, Qwen2, config_from_hf,
                                config_to_hf, encode_prompts, from_pretrained, hf_state_dict, init_cache,
-                               load_hf_config, load_tokenizer, lora_layers, merge_lora, param_rules,
+                               load_hf_config, load_tokenizer, lora_layers, merge_adapters, param_rules,
                                preset, render_prompt, rope, rope_table, save_pretrained, stop_token_ids,
-                               unmerge_lora)
+                               unmerge_adapters)
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
 from helpers import random_model, tiny_config, tiny_hf_dir, torch_logits
 
@@ -369,19 +369,27 @@ def test_merge_unmerge(base_dir):
   kernels = flat_params(model, BASE)
   export = hf_state_dict(model)
 
-  merge_lora(model)
+  unmerged, model = model, merge_adapters(model)
   assert all(l.merged for l in lora_layers(model))
-  merge_lora(model)  # idempotent
+  assert not any(l.merged for l in lora_layers(unmerged))  # a new model; the old one as it was
+  np.testing.assert_array_equal(ours(unmerged, tokens, mask, positions), on)
+  model = merge_adapters(model)  # idempotent
   chex.assert_trees_all_close(ours(model, tokens, mask, positions), on, atol=1e-5)
   chex.assert_trees_all_close(ours(model, tokens, mask, positions, adapters=False), off, atol=1e-5)
   chex.assert_trees_all_close(hf_state_dict(model), export, atol=1e-6)  # export merges once
   changed = [p for p, v in flat_params(model, BASE).items() if not np.array_equal(v, kernels[p])]
   assert changed and all(p.endswith(".kernel") for p in changed)
 
-  unmerge_lora(model)
+  model = unmerge_adapters(model)
   assert not any(l.merged for l in lora_layers(model))
   chex.assert_trees_all_close(flat_params(model, BASE), kernels, atol=1e-6)
   chex.assert_trees_all_close(ours(model, tokens, mask, positions), on, atol=1e-5)
+
+
+def _lora_base_path(path: str, model) -> str:
+  """The path of a plain model's parameter in `model`, where adapters wrap some projections."""
+  module, _, leaf = path.rpartition(".")
+  return f"{module}.base.{leaf}" if module in _lora.wrappers(model) else path
 
 
 def test_lora_and_base_filters_partition_the_params():
@@ -395,7 +403,9 @@ def test_lora_and_base_filters_partition_the_params():
                    for mod, t in (("attn", "k"), ("attn", "o"), ("mlp", "up"))
                    for ab in ("lora_a", "lora_b")}
   assert lora_paths == expected_lora
-  assert base_paths == set(flat_params(plain, nnx.Param))  # same layout as a model without LoRA
+  # the same weights as a model without LoRA, each under its wrapper ('layers.0.attn.k.base.kernel')
+  assert set(_lora.plain_params(model)) == set(flat_params(plain, nnx.Param))
+  assert base_paths == {_lora_base_path(p, model) for p in flat_params(plain, nnx.Param)}
   assert not lora_paths & base_paths
   assert lora_paths | base_paths == set(flat_params(model, nnx.Param))
   assert all(isinstance(v, nnx.LoRAParam) for _, v in nnx.to_flat_state(nnx.state(model, LORA)))
@@ -697,11 +707,12 @@ class MergedLoraTest(chex.TestCase):
   def _linear(self, dtype, lora_b):
     if dtype == jnp.float32 and jax.default_backend() != "cpu":
       self.skipTest("accelerators keep the rank products")
-    layer = Linear(self.K, self.N, use_bias=True, param_dtype=jnp.float32, dtype=dtype,
-                   rngs=nnx.Rngs(0), lora_rank=self.R, lora_scale=2.0)
+    rngs = nnx.Rngs(0)
+    layer = LoRA(Dense(self.K, self.N, use_bias=True, param_dtype=jnp.float32, dtype=dtype, rngs=rngs),
+                 self.R, 2.0, rngs=rngs)
     rng = np.random.default_rng(1)
-    layer.bias[...] = jnp.asarray(rng.standard_normal(self.N), jnp.float32)
-    layer.kernel[...] = layer.kernel[...].at[:4].set(-0.0)  # signed zeros stay as they are
+    layer.base.bias[...] = jnp.asarray(rng.standard_normal(self.N), jnp.float32)
+    layer.base.kernel[...] = layer.base.kernel[...].at[:4].set(-0.0)  # signed zeros stay as they are
     layer.lora_b[...] = jnp.asarray(lora_b * rng.standard_normal((self.R, self.N)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, self.M // 2, self.K)), dtype)
     return layer, x
@@ -719,17 +730,17 @@ class MergedLoraTest(chex.TestCase):
     np.testing.assert_array_equal(bits(policy), bits(forward(x, adapters=False)))
     both = self.variant(lambda x: (layer(x, True, CPU), layer(x, False, CPU)))(x)  # in one program
     np.testing.assert_array_equal(bits(both[0]), bits(both[1]))
-    w, a, b = layer.kernel[...], layer.lora_a[...], layer.lora_b[...]  # w + a @ 0 is w, -0.0 too
+    w, a, b = layer.base.kernel[...], layer.lora_a[...], layer.lora_b[...]  # w + a @ 0 is w, -0.0 too
     np.testing.assert_array_equal(bits(self.variant(products._merged_kernel, static_argnums=3)(
-        w, a, b, layer.lora_scale)), bits(w))
+        w, a, b, layer.scale)), bits(w))
 
   def test_float32_linear_folds_its_adapters(self):
     layer, x = self._linear(jnp.float32, lora_b=0.3)
     with mock.patch.object(_lora, "low_rank", wraps=low_rank) as unmerged:
       got = layer(x, kernels=CPU)
     assert not unmerged.called
-    want = (x @ layer.kernel[...] + layer.bias[...]
-            + layer.lora_scale * low_rank(x, layer.lora_a[...], layer.lora_b[...]))
+    want = (x @ layer.base.kernel[...] + layer.base.bias[...]
+            + layer.scale * low_rank(x, layer.lora_a[...], layer.lora_b[...]))
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
     merged = mock.Mock(wraps=merged_lora)
     layer(x[:, :2], kernels=dataclasses.replace(CPU, merged_lora=merged))  # 4 rows: rank products
@@ -742,8 +753,9 @@ class MergedLoraTest(chex.TestCase):
       got = layer(x, kernels=dataclasses.replace(CPU, merged_lora=merged))
     assert unmerged.called and not merged.called
     a, b = (layer.lora_a[...].astype(jnp.bfloat16), layer.lora_b[...].astype(jnp.bfloat16))
-    want = (matmul(x, layer.kernel[...].astype(jnp.bfloat16)) + layer.bias[...].astype(jnp.bfloat16)
-            + (layer.lora_scale * low_rank(x, a, b, CPU)).astype(jnp.bfloat16))
+    base = layer.base
+    want = (matmul(x, base.kernel[...].astype(jnp.bfloat16)) + base.bias[...].astype(jnp.bfloat16)
+            + (layer.scale * low_rank(x, a, b, CPU)).astype(jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -837,7 +849,7 @@ def test_fused_projections_equal_separate_layers(base_dir):
   model = from_pretrained(base_dir, lora=LoraConfig(rank=4, alpha=8.0, targets=("q", "gate")))
   randomize_lora(model)
   attn, mlp = model.layers[0].attn, model.layers[0].mlp
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, attn.q.kernel.shape[0])),
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, attn.q.base.kernel.shape[0])),
                   jnp.float32)
   for layers in ([attn.q, attn.k, attn.v], [attn.k, attn.v], [mlp.gate, mlp.up]):
     for adapters in (False, True):
@@ -847,7 +859,7 @@ def test_fused_projections_equal_separate_layers(base_dir):
   for adapters in (False, True):
     chex.assert_trees_all_equal(fused([attn.q, attn.k, attn.v], x, adapters),
                                 [l(x, adapters) for l in (attn.q, attn.k, attn.v)])
-  merge_lora(model)  # merged: one matmul with adapters, one by one (subtracting) without
+  attn = merge_adapters(model).layers[0].attn  # merged: one matmul with adapters, one by one
   for adapters in (False, True):
     chex.assert_trees_all_close(fused([attn.q, attn.k, attn.v], x, adapters),
                                 [l(x, adapters) for l in (attn.q, attn.k, attn.v)], atol=1e-5)

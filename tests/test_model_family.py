@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import (LoraConfig, ModelConfig, build, config_from_hf, config_to_hf, family,
+from epgrpo_jax.models import (Dense, LoRA, LoraConfig, ModelConfig, build, config_from_hf, config_to_hf, family,
                                from_pretrained, init_cache, load_hf_config, registry, save_pretrained)
 from epgrpo_jax.models._decoder import Decoder, init_cache as decoder_cache
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
@@ -110,8 +110,8 @@ def test_hf_config_builds_the_family(toy):
   assert (cfg.model_type, cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads) == ("toylm", 32, 8, 2)
   assert config_to_hf(cfg) == HF_CONFIG and family("toylm") is toy
   model = build(cfg, LORA, nnx.Rngs(0))
-  assert type(model) is ToyLM and model.layers[0].attn.q.lora_a is not None
-  assert model.layers[0].mlp.gate.lora_a is None
+  assert type(model) is ToyLM and isinstance(model.layers[0].attn.q, LoRA)
+  assert type(model.layers[0].mlp.gate) is Dense
   hidden, cache = model(np.array([[3, 4, 5]]), np.array([[0, 1, 2]]), np.ones((1, 3), bool),
                         init_cache(cfg, 1, 4))
   assert hidden.shape == (1, 3, 32) and int(cache["index"]) == 3
@@ -151,11 +151,11 @@ def test_sharded_load_and_one_sampler_call(toy, tmp_path):
     name, value = ".".join(map(str, path)), var.get_value()
     assert value.sharding.spec == param_sharding(name, value.shape, mesh, rules).spec, name
   q = model.layers[0].attn.q
-  assert q.kernel[...].sharding.spec == P("fsdp", "tensor")
+  assert q.base.kernel[...].sharding.spec == P("fsdp", "tensor")
   assert q.lora_a[...].sharding.spec == P("fsdp", None)  # (embed, rank): the kernel's input axis
   assert q.lora_b[...].sharding.spec == P(None, "tensor")  # (rank, heads): its output axis
   assert model.embed[...].sharding.spec == P(None, "fsdp")  # the toy's rule (Qwen2: "tensor", "fsdp")
-  assert model.layers[0].attn.q.bias[...].sharding.spec == P()  # no row: replicated
+  assert q.base.bias[...].sharding.spec == P()  # no row: replicated
 
   prompts = [[5, 17, 33, 2], [44, 3, 90, 12, 7, 7]]
   config = SamplingConfig(greedy=True, max_new_tokens=4, prompt_buckets=(8,), length_buckets=(4,))

@@ -15,7 +15,7 @@ from epgrpo_jax.io.checkpointing import (restore_trainable, saved_trainable_shap
                                          shape_difference, tree_shapes)
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.io.paths import expand_home
-from epgrpo_jax.models import LORA_TARGETS, LoraConfig, from_pretrained, merge_lora
+from epgrpo_jax.models import LORA_TARGETS, LoraConfig, from_pretrained, merge_adapters, saved_adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +30,16 @@ class CheckpointRef:
 
   @property
   def full_finetune(self) -> bool:
-    return not any(p.endswith((".lora_a", ".lora_b")) for p in self.trainable)
+    return not saved_adapters(self.trainable)
 
   @property
   def lora_rank(self) -> int | None:
-    ranks = {s[-1] for p, s in self.trainable.items() if p.endswith(".lora_a")}
+    ranks = set(saved_adapters(self.trainable).values())
     return ranks.pop() if len(ranks) == 1 else None
 
   @property
   def lora_targets(self) -> tuple[str, ...]:
-    names = {p.split(".")[-2] for p in self.trainable if p.endswith(".lora_a")}
+    names = {path.rsplit(".", 1)[-1] for path in saved_adapters(self.trainable)}
     return tuple(t for t in LORA_TARGETS if t in names)
 
 
@@ -147,6 +147,4 @@ def load_policy(model_dir: str | Path, *, dtype: str = "float32",
     raise UserError(f"--checkpoint {checkpoint.step_dir}: cannot restore "
                      f"({type(e).__name__}: {commandline.one_line(e)})") from None
   model = nnx.merge(graphdef, restored, rest)
-  if lora is not None:
-    merge_lora(model)
-  return model
+  return merge_adapters(model) if lora is not None else model

@@ -81,30 +81,36 @@ def resolve(name: str, dtype, backend: str) -> str:
 
 
 def choose(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, *, constrain: bool = False,
-           decode_rows: tuple[int, int] | None = None) -> Kernels:
+           decode_rows: tuple[int, int] | None = None, packed: bool = False) -> Kernels:
   """The `Kernels` of a program running the model of `cfg` on `mesh` (None: unsharded):
   `for_backend` of the mesh's platform (`backend_of`) and device count (`one_device`).
   `constrain`: keep the hidden states batch-sharded over the mesh
   (`sharding.activation_constraints`); `decode_rows`: the C++ decode attention serves
   one-token steps (the sampler's where `sampler_native`), given (rows sharing a prompt, its
-  slots)."""
+  slots); `packed`: weights prepared once (the sampler's) are packed for the backend's
+  products where it has them (`Kernels.packing`; the sampler's where `sampler_native` and
+  `sampling.packed_weights`)."""
   constrain_fn = sharding.activation_constraints(mesh) if constrain and mesh is not None else None
   return for_backend(cfg, backend_of(mesh), one_device(mesh), constrain=constrain_fn,
-                     decode_rows=decode_rows)
+                     decode_rows=decode_rows, packed=packed)
 
 
 def for_backend(cfg: ModelConfig, backend: str, single_device: bool, *,
                 constrain: Callable | None = None,
-                decode_rows: tuple[int, int] | None = None) -> Kernels:
+                decode_rows: tuple[int, int] | None = None, packed: bool = False) -> Kernels:
   """The `Kernels` of a program for `backend` ("cpu", "gpu", "tpu") on one device or several:
   the CPU's (`kernels.cpu.backend`, its C++ kernels where `native`), else XLA's; attention
   resolved from `cfg` (`resolve`), on a GPU the Pallas decode attention where `gpu_decode`;
-  `constrain(x, kind)`: activation sharding constraints."""
-  attention = resolve(cfg.attention, as_dtype(cfg.dtype), backend)
+  `constrain(x, kind)`: activation sharding constraints; `packed`: the CPU's packing of
+  prepared weights (`cpu.packing_for` the compute dtype; the caller checked
+  `sampler_native`); no other backend packs."""
+  dtype = as_dtype(cfg.dtype)
+  attention = resolve(cfg.attention, dtype, backend)
   common = {"constrain": constrain} if constrain is not None else {}
   if backend == "cpu":
     return cpu_backend.kernels(attention=attention, native=native(backend, single_device),
-                               decode_rows=decode_rows, **common)
+                               decode_rows=decode_rows, packing_dtype=dtype if packed else None,
+                               **common)
   if gpu_decode(cfg.attention, backend, single_device):
     from epgrpo_jax.kernels import gpu  # Pallas' Triton parts load only where a GPU program is built
 

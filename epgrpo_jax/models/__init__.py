@@ -5,8 +5,9 @@ from epgrpo_jax.models._config import (ATTENTION, LORA_TARGETS, PRESETS, LoraCon
 from epgrpo_jax.models._kernels import (XLA, Kernels, concatenated, ordered_remat, rounded_matmul,
                                        through_bits, write_row_slots, write_slots, xla_matmul,
                                        xla_rounded_product, xla_swiglu)
-from epgrpo_jax.models._lora import (BASE, LORA, Linear, low_rank, lora_layers, merge_lora,
-                                    rank_transposed_matmul, unmerge_lora)
+from epgrpo_jax.models._dense import Dense
+from epgrpo_jax.models._lora import (BASE, LORA, LoRA, adapters_are_zero, low_rank, lora_layers, merge_adapters,
+                                    plain_kernels, rank_transposed_matmul, saved_adapters, unmerge_adapters)
 from epgrpo_jax.models._decoder import attend
 from epgrpo_jax.models._rope import rope, rope_cos_sin, rope_table
 from epgrpo_jax.models.interface import Cache, CausalLM

@@ -24,7 +24,8 @@ from epgrpo_jax.models import _attention
 from epgrpo_jax.models._attention import attend  # noqa: F401 (re-exported)
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._kernels import XLA, Kernels
-from epgrpo_jax.models._lora import Linear, fused, fused_product
+from epgrpo_jax.models._dense import Dense
+from epgrpo_jax.models._lora import LoRA, Projection, fused, fused_product
 from epgrpo_jax.models._rope import rope_angles, rotate
 from epgrpo_jax.models.interface import Cache
 
@@ -104,11 +105,14 @@ class RMSNorm(nnx.Module):
     return self.weight[...].astype(jnp.float32) * x32.astype(x.dtype).astype(jnp.float32)
 
 
-def _linear(cfg: ModelConfig, lora: LoraConfig | None, name: str, d_in, d_out, bias, rngs):
-  rank = lora.rank if lora is not None and name in lora.targets else 0
-  return Linear(d_in, d_out, use_bias=bias, param_dtype=as_dtype(cfg.param_dtype),
-                dtype=as_dtype(cfg.dtype), rngs=rngs, lora_rank=rank,
-                lora_scale=lora.scale if rank else 1.0)
+def _linear(cfg: ModelConfig, lora: LoraConfig | None, name: str, d_in, d_out, bias,
+            rngs) -> Projection:
+  """The projection `name`: a dense layer, wrapped in an adapter where `lora` targets it."""
+  layer = Dense(d_in, d_out, use_bias=bias, param_dtype=as_dtype(cfg.param_dtype),
+                dtype=as_dtype(cfg.dtype), rngs=rngs)
+  if lora is not None and name in lora.targets:
+    return LoRA(layer, lora.rank, lora.scale, rngs=rngs)
+  return layer
 
 
 class Attention(nnx.Module):
@@ -201,7 +205,7 @@ class Block(nnx.Module):
 
   GROUPS = 4  # projection groups per block: q/k/v, o, gate/up, down (`linear_groups`)
 
-  def linear_groups(self) -> list[list[Linear]]:
+  def linear_groups(self) -> list[list[Projection]]:
     """The block's projections as its forward pass multiplies them: q/k/v and gate/up each as
     one `fused` group, o and down alone."""
     return [[self.attn.q, self.attn.k, self.attn.v], [self.attn.o], [self.mlp.gate, self.mlp.up],
@@ -249,7 +253,7 @@ class Decoder(nnx.Module):
       self.lm_head = nnx.Param(jax.nn.initializers.normal(0.02)(
           rngs.params(), (cfg.hidden_size, cfg.vocab_size), pdt))
 
-  def linear_groups(self) -> list[list[Linear]]:
+  def linear_groups(self) -> list[list[Projection]]:
     """The projections as the forward pass multiplies them: q/k/v and gate/up each as one
     `fused` group, o and down alone."""
     return [group for block in self.layers for group in block.linear_groups()]

@@ -18,7 +18,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -26,7 +25,7 @@ from safetensors.numpy import save_file
 from epgrpo_jax.io.errors import MissingFileError, UserError
 from epgrpo_jax.parallel import distributed, sharding
 from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
-from epgrpo_jax.models._lora import Linear
+from epgrpo_jax.models import _lora
 from epgrpo_jax.models.interface import CausalLM
 from epgrpo_jax.models.registry import Family, abstract_model, config_from_hf, family
 
@@ -98,8 +97,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
   if unknown:
     raise UserError(f"{files[unknown[0]]}: unexpected tensor {unknown[0]!r} for this config")
 
-  flat = dict(nnx.to_flat_state(nnx.state(model)))
-  by_path = {".".join(map(str, k)): (k, v) for k, v in flat.items()}
+  by_path = _lora.plain_params(model)
   pdt = as_dtype(cfg.param_dtype)
   handles: dict[Path, object] = {}
   try:
@@ -117,7 +115,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
       except Exception as e:
         raise UserError(f"{fname}: cannot read tensor {name!r} ({e})") from None
       array = array.T if transpose else array
-      _, var = by_path[path]
+      var = by_path[path]
       if tuple(array.shape) != tuple(var.shape):
         raise UserError(f"{fname}: tensor {name!r} has shape {tuple(array.shape)}, "
                          f"config.json implies {tuple(var.shape)}")
@@ -126,18 +124,7 @@ def from_pretrained(directory: str | Path, *, dtype: str | None = None,
     for h in handles.values():
       h.__exit__(None, None, None)
 
-  # Fresh adapters: A kaiming-uniform (as `Linear` and PEFT), B = 0. Drawn on the host with
-  # numpy: the arrays are small, and per-shape jax RNG kernels would each need a compile.
-  rng = np.random.default_rng(seed)
-  for path, (_, var) in sorted(by_path.items()):
-    if path.endswith(".lora_a"):
-      bound = np.sqrt(6.0 / var.shape[0])
-      init = rng.uniform(-bound, bound, var.shape).astype(np.float32)
-    elif path.endswith(".lora_b"):
-      init = np.zeros(var.shape, np.float32)
-    else:
-      continue
-    var.set_value(_place(init, path, mesh, fam))
+  _lora.init_adapters(model, seed, lambda array, path: _place(array, path, mesh, fam))
   return model
 
 
@@ -201,14 +188,11 @@ def _swap_in(new: Path, directory: Path) -> None:
 def hf_state_dict(model: CausalLM, dtype: str = "float32") -> dict[str, np.ndarray]:
   """HF-named numpy tensors with LoRA merged into the base weights."""
   out_dtype = np.dtype(as_dtype(dtype))
-  flat = {".".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(model))}
-  linears = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, Linear):
-      linears[".".join(map(str, path)) + ".kernel"] = node
+  params = _lora.plain_params(model)
+  kernels = {f"{path}.kernel": layer for path, layer in _lora.projections(model).items()}
   tensors = {}
   for name, (path, transpose) in family(model.cfg.model_type).nnx_to_hf(model.cfg).items():
-    array = linears[path].merged_kernel() if path in linears else flat[path][...]
+    array = _lora.folded_kernel(kernels[path]) if path in kernels else params[path][...]
     array = _to_host(array).astype(out_dtype)
     tensors[name] = np.ascontiguousarray(array.T if transpose else array)
   return tensors

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +158,9 @@ class Kernels:
   products: the projection groups' base products `x -> x @ kernels` over weights prepared once
   (e.g. the sampler's packed ones), in the order of the model's `linear_groups()` (None: the
   group's own); empty: none.
+  packing: how a program that prepares its weights once (the sampler's) packs them for its
+  products: an object with `can_pack(weights)`, `pack(weights)`, `matmul(x, packed)` and
+  `logits(x, packed)` (`kernels.cpu.Packing`); None: the weights concatenated as they are.
   """
 
   attention: str | None = None
@@ -173,6 +176,7 @@ class Kernels:
   write_row_slots: Callable = write_row_slots
   rank_barrier: Callable = same
   products: tuple = ()
+  packing: Any = None
 
   def product(self, group: int) -> Callable | None:
     """The prepared product of projection group `group` (see `products`), or None."""

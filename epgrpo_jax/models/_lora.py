@@ -1,8 +1,11 @@
-"""A dense layer with optional low-rank adapters, and LoRA parameter filters.
+"""Low-rank adapters as a wrapper around a plain dense layer (`LoRA` over `_dense.Dense`), the
+transforms over a model's state that fold them into the kernels and back, and everything else
+that knows where adapters sit in a model or its saved state.
 
-Unlike `nnx.LoRA`, the adapter output is scaled by alpha / rank, and the layer
-can run with its adapters switched off (the reference policy) without a
-second copy of the base weights.
+Unlike `nnx.LoRA`, the adapter output is scaled by alpha / rank, and the layer can run with
+its adapters switched off (the reference policy) without a second copy of the base weights.
+The adapters' parameter names (`A`, `B`) are this module's: no other module of the package
+spells them (`tests/test_lora_wrapper.py`); it asks the functions here instead.
 """
 
 from __future__ import annotations
@@ -10,17 +13,22 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Callable
+from typing import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from epgrpo_jax.models._dense import Dense
 from epgrpo_jax.models._kernels import XLA, Kernels, concatenated, same, xla_matmul
 
 # Filters over model state: adapters only, and the frozen base.
 LORA = nnx.LoRAParam
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+# The last path segment of a wrapper's factors in a model's state and its checkpoints (as
+# PEFT's lora_A / lora_B), and of its base layer.
+A, B, WRAPPED = "lora_a", "lora_b", "base"
 
 
 @functools.cache
@@ -67,76 +75,94 @@ def rank_transposed_matmul(r_NxR: jax.Array, v_NxF: jax.Array, matmul: Callable 
   return matmul(barrier(r_NxR.T), v_NxF)
 
 
-class Linear(nnx.Module):
-  """y = x @ kernel (+ bias) (+ scale * (x @ lora_a) @ lora_b). Where the kernels fold adapters
-  (`Kernels.folds_adapters`), the adapters are folded into the kernel for the product instead
-  (`Kernels.merged_lora`: x @ (kernel + scale * lora_a @ lora_b), one product)."""
 
-  def __init__(self, d_in: int, d_out: int, *, use_bias: bool, param_dtype, dtype,
-               rngs: nnx.Rngs, lora_rank: int = 0, lora_scale: float = 1.0):
-    init = jax.nn.initializers.normal(0.02)
-    self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype)) if use_bias else None
-    self.dtype = dtype
-    self.lora_scale = lora_scale
-    self.merged = False  # adapters folded into `kernel` (see merge_lora)
-    if lora_rank:
-      a_init = jax.nn.initializers.he_uniform()  # kaiming-uniform, as PEFT initialises A
-      self.lora_a = nnx.LoRAParam(a_init(rngs.params(), (d_in, lora_rank), jnp.float32))
-      self.lora_b = nnx.LoRAParam(jnp.zeros((lora_rank, d_out), jnp.float32))
-    else:
-      self.lora_a = self.lora_b = None
+class LoRA(nnx.Module):
+  """A dense layer with a low-rank adapter: y = base(x) + scale * (x @ A) @ B, A [in, rank]
+  kaiming-uniform (as PEFT initialises it), B [rank, out] zero, both float32 and trainable
+  (`LORA`). `merged`: the adapter is folded into the base's kernel (`merge_adapters`); it then
+  runs as the base alone with adapters on, and subtracts the adapter with them off. Where the
+  kernels fold adapters (`Kernels.folds_adapters`), the product runs as one by the folded
+  kernel instead (`Kernels.merged_lora`: x @ (kernel + scale * A @ B))."""
+
+  def __init__(self, base: Dense, rank: int, scale: float, *, rngs: nnx.Rngs):
+    d_in, d_out = base.kernel.shape
+    self.base = base
+    a_init = jax.nn.initializers.he_uniform()  # kaiming-uniform, as PEFT initialises A
+    setattr(self, A, nnx.LoRAParam(a_init(rngs.params(), (d_in, rank), jnp.float32)))
+    setattr(self, B, nnx.LoRAParam(jnp.zeros((rank, d_out), jnp.float32)))
+    self.scale = scale
+    self.merged = False
 
   @property
-  def has_lora(self) -> bool:
-    return self.lora_a is not None
+  def dtype(self):
+    return self.base.dtype
+
+  def factors(self) -> tuple[nnx.Variable, nnx.Variable]:
+    """The adapter's (A, B) variables."""
+    return getattr(self, A), getattr(self, B)
 
   def __call__(self, x, adapters: bool = True, kernels: Kernels = XLA,
                product: Callable | None = None):
-    """The layer on x; `product` (a prepared `x -> x @ kernel`, `Kernels.products`) computes
-    the base product instead of `kernels.matmul`."""
-    x = x.astype(self.dtype)
-    lora = self.has_lora and adapters != self.merged  # adapters to add (subtract if merged)
-    if lora:
-      a = self.lora_a[...].astype(self.dtype)
-      b = self.lora_b[...].astype(self.dtype)
-    fold = (lora and adapters and not product
-            and kernels.folds_adapters(x.dtype, math.prod(x.shape[:-1]), *self.kernel.shape))
-    if fold:
-      y = kernels.merged_lora(x, self.kernel[...].astype(self.dtype), a, b, self.lora_scale)
-    else:
-      y = product(x) if product else kernels.matmul(x, self.kernel[...].astype(self.dtype))
-    if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
-    if lora and not fold:
-      sign = -1.0 if self.merged else 1.0
-      y = y + (sign * self.lora_scale * low_rank(x, a, b, kernels)).astype(y.dtype)
-    return y
+    """The layer on x (`Dense.__call__`; `product` computes the base product), with the
+    adapter added where `adapters`, subtracted where merged and not `adapters`."""
+    base = self.base
+    x = x.astype(base.dtype)
+    if adapters == self.merged:  # the base's kernel alone is the layer
+      return base(x, adapters, kernels, product)
+    a, b = (v[...].astype(base.dtype) for v in self.factors())
+    if adapters and not product and kernels.folds_adapters(
+        x.dtype, math.prod(x.shape[:-1]), *base.kernel.shape):
+      return base.biased(kernels.merged_lora(x, base.kernel[...].astype(base.dtype), a, b,
+                                             self.scale))
+    y = base(x, adapters, kernels, product)
+    sign = -1.0 if self.merged else 1.0
+    return y + (sign * self.scale * low_rank(x, a, b, kernels)).astype(y.dtype)
 
   def delta(self) -> jax.Array:
     """scale * A @ B, float32."""
-    return self.lora_scale * (self.lora_a[...] @ self.lora_b[...])
-
-  def merged_kernel(self) -> jax.Array:
-    """The kernel with the adapters folded in (float32), whether or not merged."""
-    w = self.kernel[...].astype(jnp.float32)
-    if self.has_lora and not self.merged:
-      w = w + self.delta()
-    return w
+    a, b = self.factors()
+    return self.scale * (a[...] @ b[...])
 
 
-def fused(layers: "list[Linear]", x, adapters: bool, kernels: Kernels = XLA,
+Projection = Dense | LoRA
+
+
+def dense(layer: Projection) -> Dense:
+  """The plain dense layer of a projection: itself, or the one an adapter wraps."""
+  return layer.base if isinstance(layer, LoRA) else layer
+
+
+def adapted(layer: Projection) -> bool:
+  """Whether the projection adds an adapter to its base product (a LoRA not merged)."""
+  return isinstance(layer, LoRA) and not layer.merged
+
+
+def folded_kernel(layer: Projection) -> jax.Array:
+  """The projection's kernel with its adapter folded in (float32), merged or not."""
+  w = dense(layer).kernel[...].astype(jnp.float32)
+  return w + layer.delta() if adapted(layer) else w
+
+
+def plain_kernels(group: "list[Projection]") -> list[jax.Array] | None:
+  """The group's kernels where each layer with adapters on is its kernel's product alone (no
+  adapter, or a merged one); None where a layer adds an unmerged adapter."""
+  if any(adapted(layer) for layer in group):
+    return None
+  return [dense(layer).kernel[...] for layer in group]
+
+
+def fused(layers: "list[Projection]", x, adapters: bool, kernels: Kernels = XLA,
           product: Callable | None = None) -> list[jax.Array]:
   """`[layer(x, adapters, kernels) for layer in layers]`, as one product where `fused_product`
   makes one (`product`: the group's prepared one, `Kernels.products`)."""
   y = fused_product(layers, x, adapters, kernels, product)
   if y is None:
     return [layer(x, adapters, kernels) for layer in layers]
-  ends = list(itertools.accumulate(layer.kernel.shape[-1] for layer in layers))
+  ends = list(itertools.accumulate(dense(layer).kernel.shape[-1] for layer in layers))
   return jnp.split(y, ends[:-1], axis=-1)
 
 
-def fused_product(layers: "list[Linear]", x, adapters: bool, kernels: Kernels = XLA,
+def fused_product(layers: "list[Projection]", x, adapters: bool, kernels: Kernels = XLA,
                   product: Callable | None = None) -> jax.Array | None:
   """The layers' outputs concatenated, as one matmul over the concatenated kernels, when each
   layer's kernel alone is its output (no adapters, or adapters merged and wanted), or when
@@ -147,51 +173,146 @@ def fused_product(layers: "list[Linear]", x, adapters: bool, kernels: Kernels = 
   reference pass round identically: their log-prob difference (the progress signal) is then
   exactly zero, not rounding noise that the bucket z-scores would amplify. `product`: the
   group's prepared product (`Kernels.products`), used for the base product."""
-  dtype = layers[0].dtype
+  bases = [dense(layer) for layer in layers]
+  dtype = bases[0].dtype
   x = x.astype(dtype)
-  rows, n = math.prod(x.shape[:-1]), sum(layer.kernel.shape[-1] for layer in layers)
-  unmerged = [layer.has_lora and not layer.merged for layer in layers]
-  folds = (all(unmerged) and len({layer.lora_scale for layer in layers}) == 1 and not product
-           and kernels.folds_adapters(dtype, rows, layers[0].kernel.shape[0], n))
+  rows, n = math.prod(x.shape[:-1]), sum(base.kernel.shape[-1] for base in bases)
+  folds = (all(adapted(layer) for layer in layers) and len({layer.scale for layer in layers}) == 1
+           and not product and kernels.folds_adapters(dtype, rows, bases[0].kernel.shape[0], n))
   if len(layers) == 1 or not folds and any(
-      layer.has_lora and not (layer.merged and adapters) for layer in layers):
+      isinstance(layer, LoRA) and not (layer.merged and adapters) for layer in layers):
     return None
-  weights = tuple(layer.kernel[...].astype(dtype) for layer in layers)
+  weights = tuple(base.kernel[...].astype(dtype) for base in bases)
   if product:
     y = product(x)
   elif folds and adapters:
-    y = kernels.merged_lora(x, weights, tuple(layer.lora_a[...].astype(dtype) for layer in layers),
-                            tuple(layer.lora_b[...].astype(dtype) for layer in layers),
-                            layers[0].lora_scale)
+    a, b = zip(*(tuple(v[...].astype(dtype) for v in layer.factors()) for layer in layers))
+    y = kernels.merged_lora(x, weights, a, b, layers[0].scale)
   else:
     y = kernels.matmul(x, concatenated(weights))
-  if any(layer.bias is not None for layer in layers):
+  if any(base.bias is not None for base in bases):
     y = y + jnp.concatenate([
-        layer.bias[...].astype(dtype) if layer.bias is not None
-        else jnp.zeros(layer.kernel.shape[-1:], dtype) for layer in layers])
+        base.bias[...].astype(dtype) if base.bias is not None
+        else jnp.zeros(base.kernel.shape[-1:], dtype) for base in bases])
   return y
 
 
-def lora_layers(model: nnx.Module):
-  """Yields every `Linear` of the model that carries adapters."""
-  for _, node in nnx.iter_graph(model):
-    if isinstance(node, Linear) and node.has_lora:
-      yield node
+# ---------------------------------------------------------------------------
+# Adapters in a model, found by their module type.
 
 
-def merge_lora(model: nnx.Module) -> None:
-  """Folds every adapter into its kernel in place (faster inference); reversible."""
-  for layer in lora_layers(model):
-    if not layer.merged:
-      layer.kernel[...] = (layer.kernel[...].astype(jnp.float32) + layer.delta()).astype(
-          layer.kernel[...].dtype)
-      layer.merged = True
+def _dotted(path) -> str:
+  return ".".join(map(str, path))
 
 
-def unmerge_lora(model: nnx.Module) -> None:
-  """Undoes `merge_lora` (exact in float32 up to rounding)."""
-  for layer in lora_layers(model):
-    if layer.merged:
-      layer.kernel[...] = (layer.kernel[...].astype(jnp.float32) - layer.delta()).astype(
-          layer.kernel[...].dtype)
-      layer.merged = False
+def wrappers(model: nnx.Module) -> dict[str, LoRA]:
+  """Every adapter wrapper of the model by its module path ('layers.0.attn.q'), in graph order."""
+  return {_dotted(path): node for path, node in nnx.iter_graph(model) if isinstance(node, LoRA)}
+
+
+def lora_layers(model: nnx.Module) -> Iterator[LoRA]:
+  """Yields every adapter wrapper of the model."""
+  yield from wrappers(model).values()
+
+
+def projections(model: nnx.Module) -> dict[str, Projection]:
+  """Every projection of the model by its module path: the wrappers, and the dense layers
+  that no wrapper holds."""
+  lora = wrappers(model)
+  out = {}
+  for path, node in nnx.iter_graph(model):
+    name = _dotted(path)
+    if isinstance(node, LoRA) or isinstance(node, Dense) and not (
+        path and path[-1] == WRAPPED and _dotted(path[:-1]) in lora):
+      out[name] = node
+  return out
+
+
+def adapters_are_zero(model: nnx.Module) -> jax.Array:
+  """bool []: every adapter's B is zero (the model is its base)."""
+  return jnp.all(jnp.stack([jnp.all(layer.factors()[1][...] == 0) for layer in lora_layers(model)]))
+
+
+def plain_params(model: nnx.Module) -> dict[str, nnx.Variable]:
+  """The model's base parameters (its variables, to read or set) by the path each would have
+  in the model without adapters: a wrapper's base kernel at 'layers.0.attn.q.kernel'; the
+  adapters left out. The paths of the family's weight table (`registry.Family.weights`)."""
+  lora = set(wrappers(model))
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    names = [str(p) for p in path]
+    owner = next((i for i in range(len(names)) if ".".join(names[:i]) in lora), None)
+    if owner is None:
+      out[".".join(names)] = var
+    elif names[owner] == WRAPPED:
+      out[".".join(names[:owner] + names[owner + 1:])] = var
+  return out
+
+
+def init_adapters(model: nnx.Module, seed: int, place: Callable[[np.ndarray, str], jax.Array]) -> None:
+  """Fresh adapters in place: A kaiming-uniform (as `LoRA` and PEFT), B = 0, drawn on the host
+  with numpy (the arrays are small, and per-shape jax RNG kernels would each need a compile)
+  from `seed`, one A after another in the order of their parameter paths. `place(array,
+  path)` puts a factor's array where its parameter lives."""
+  rng = np.random.default_rng(seed)
+  for path, layer in sorted(wrappers(model).items(), key=lambda item: f"{item[0]}.{A}"):
+    a, b = layer.factors()
+    bound = np.sqrt(6.0 / a.shape[0])
+    a.set_value(place(rng.uniform(-bound, bound, a.shape).astype(np.float32), f"{path}.{A}"))
+    b.set_value(place(np.zeros(b.shape, np.float32), f"{path}.{B}"))
+
+
+def _transformed(model: nnx.Module, merged: bool) -> nnx.Module:
+  out = nnx.clone(model)  # new variables over the same arrays: `model` stays as it was
+  sign = 1.0 if merged else -1.0
+  for layer in lora_layers(out):
+    if layer.merged != merged:
+      kernel = layer.base.kernel
+      kernel[...] = (kernel[...].astype(jnp.float32) + sign * layer.delta()).astype(kernel[...].dtype)
+      layer.merged = merged
+  return out
+
+
+def merge_adapters(model: nnx.Module) -> nnx.Module:
+  """The model with every adapter folded into its base's kernel (faster inference), a new
+  model: `model` is left as it was. Reversible (`unmerge_adapters`)."""
+  return _transformed(model, True)
+
+
+def unmerge_adapters(model: nnx.Module) -> nnx.Module:
+  """Undoes `merge_adapters` (exact in float32 up to rounding), a new model."""
+  return _transformed(model, False)
+
+
+# ---------------------------------------------------------------------------
+# Adapters in parameter paths: sharding tables and saved checkpoints.
+
+AxesRow = tuple[str, tuple[str | None, ...]]
+
+
+def param_rules(rows: "tuple[AxesRow, ...]") -> "tuple[AxesRow, ...]":
+  """A family's sharding table of a plain model (`rows`: NNX path regex -> logical axes), with
+  rows for the wrapped layers: the base's kernel and bias as the plain ones, and for each
+  two-axis kernel its factors: A (in, "rank"), B ("rank", out)."""
+  extra = []
+  for pattern, axes in rows:
+    for leaf in (r"\.kernel", r"\.bias"):
+      if pattern.endswith(leaf):
+        stem = pattern[:-len(leaf)]
+        extra.append((stem + rf"\.{WRAPPED}" + leaf, axes))
+        if leaf == r"\.kernel" and len(axes) == 2:
+          extra += [(stem + rf"\.{A}", (axes[0], "rank")), (stem + rf"\.{B}", ("rank", axes[1]))]
+  return tuple(rows) + tuple(extra)
+
+
+def factor(path: str) -> str | None:
+  """"A" or "B" for the parameter path of an adapter's factor, else None."""
+  last = path.rsplit(".", 1)[-1]
+  return {A: "A", B: "B"}.get(last)
+
+
+def saved_adapters(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+  """The adapted projections among saved parameters (path -> shape): each one's module path
+  -> its adapter's rank (A's last axis)."""
+  return {path.rsplit(".", 1)[0]: shape[-1] for path, shape in shapes.items()
+          if factor(path) == "A"}

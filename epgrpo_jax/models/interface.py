@@ -12,7 +12,7 @@ import jax
 
 from epgrpo_jax.models._config import LoraConfig, ModelConfig
 from epgrpo_jax.models._kernels import XLA, Kernels
-from epgrpo_jax.models._lora import Linear
+from epgrpo_jax.models._lora import Projection
 
 # A family's KV cache: a plain pytree; the shared decoder's is {"k": [L x BxKxHdxS],
 # "v": [L x BxKxSxHd], "valid": BxS bool, "index": int32 scalar or [B]}.
@@ -52,7 +52,7 @@ class CausalLM(Protocol):
     """Full float32 logits [B, T, V]."""
     ...
 
-  def linear_groups(self) -> list[list[Linear]]:
+  def linear_groups(self) -> list[list[Projection]]:
     """The projections as the forward pass multiplies them: each group is one fused product
     over the same input (e.g. q/k/v), in a fixed order (decode's prepared weights, LoRA)."""
     ...

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from flax import nnx
 
 from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.models import _lora
 from epgrpo_jax.models._config import LoraConfig, ModelConfig
 from epgrpo_jax.models.interface import Cache, CausalLM
 
@@ -23,8 +24,6 @@ from epgrpo_jax.models.interface import Cache, CausalLM
 WeightRow = tuple[str, str, bool]
 # One row of a sharding table: NNX parameter path (regex, full match) -> logical axes.
 AxesRow = tuple[str, tuple[str | None, ...]]
-# LoRA factors (`models._lora.Linear`): x @ kernel[in, out] + scale * (x @ lora_a[in, r]) @ lora_b[r, out].
-_ADAPTERS = (("lora_a", lambda axes: (axes[0], "rank")), ("lora_b", lambda axes: ("rank", axes[1])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +54,10 @@ class Family:
     return {name: self.hf_to_nnx(name) for name in self.hf_names(cfg)}
 
   def param_rules(self) -> tuple[AxesRow, ...]:
-    """`param_axes` and, for each two-axis `kernel` row, its LoRA factors' rows: a (in, "rank"),
-    b ("rank", out). The table `parallel.sharding` takes."""
-    adapters = tuple((pattern[:-len("kernel")] + name, derive(axes))
-                     for pattern, axes in self.param_axes
-                     if pattern.endswith(r"\.kernel") and len(axes) == 2
-                     for name, derive in _ADAPTERS)
-    return self.param_axes + adapters
+    """`param_axes` and the rows of the projections that adapters wrap (`_lora.param_rules`:
+    the base's as the plain layer's, the factors' from the kernel's). The table
+    `parallel.sharding` takes."""
+    return _lora.param_rules(self.param_axes)
 
   def check_lora(self, lora: LoraConfig | None) -> None:
     """UserError unless every LoRA target is a projection of this family."""

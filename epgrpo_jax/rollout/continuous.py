@@ -268,7 +268,8 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
   load(0, first)
   block_fn = functools.partial(run_block, graphdef, cfg=cfg, native=native, k=k, capacity=capacity,
                                pad_id=pad, mesh=mesh)
-  prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=native and cfg.packed_weights)
+  prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=native and cfg.packed_weights,
+                              mesh=mesh)
   weights = sampler.compiled(graphdef, "prepare weights", prepare, (state,))(state)
   slots = empty_slots(nnx.merge(graphdef, state).cfg, s, capacity, cache_dtype, first.keys_R)
   if mesh is not None:

@@ -20,7 +20,7 @@ from jax import lax
 
 from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.kernels import seam
-from epgrpo_jax.models import CausalLM, Kernels, as_dtype, concatenated, merge_lora
+from epgrpo_jax.models import CausalLM, Kernels, as_dtype, concatenated, merge_adapters, plain_kernels
 from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
 
 
@@ -101,14 +101,14 @@ def _group_weights(model: CausalLM) -> list[list[jax.Array] | None]:
   """Each projection group's kernels in the compute dtype; None for a group with unmerged
   adapters (it runs its layers one by one)."""
   dtype = as_dtype(model.cfg.dtype)
-  return [None if any(layer.has_lora and not layer.merged for layer in group)
-          else [layer.kernel[...].astype(dtype) for layer in group] for group in model.linear_groups()]
+  groups = [plain_kernels(group) for group in model.linear_groups()]
+  return [None if ws is None else [w.astype(dtype) for w in ws] for ws in groups]
 
 
-def prepared_weights(model: CausalLM, packing: cpu_kernels.Packing | None) -> dict:
+def prepared_weights(model: CausalLM, packing) -> dict:
   """The weights the decode steps multiply by, made once: each projection group's kernels
-  concatenated (q/k/v, gate/up) in the compute dtype, or packed by `packing` where it takes
-  them; the head packed where it takes it (else None)."""
+  concatenated (q/k/v, gate/up) in the compute dtype, or packed by `packing`
+  (`Kernels.packing`) where it takes them; the head packed where it takes it (else None)."""
   def prepare(weights):
     if weights is None:
       return None
@@ -119,10 +119,11 @@ def prepared_weights(model: CausalLM, packing: cpu_kernels.Packing | None) -> di
           "head": packing.pack([head_DxV]) if packing and packing.can_pack([head_DxV]) else None}
 
 
-def products(model: CausalLM, packing: cpu_kernels.Packing | None, weights: dict,
-             kernels: Kernels) -> tuple[tuple, Callable]:
-  """(`Kernels.products`, hidden [B, D] -> float32 logits) over `prepared_weights`, so the loop
-  body multiplies by ready weights instead of preparing them at every step."""
+def products(model: CausalLM, weights: dict, kernels: Kernels) -> tuple[tuple, Callable]:
+  """(`Kernels.products`, hidden [B, D] -> float32 logits) over `prepared_weights` (packed by
+  `kernels.packing` where it took them), so the loop body multiplies by ready weights instead
+  of preparing them at every step."""
+  packing = kernels.packing
   table = []
   for kernels_i, ready in zip(_group_weights(model), weights["groups"]):
     if ready is None:
@@ -137,18 +138,17 @@ def products(model: CausalLM, packing: cpu_kernels.Packing | None, weights: dict
                                          preferred_element_type=jnp.float32)
 
 
-def _merged(graphdef, state, cfg, packed: bool) -> tuple[CausalLM, cpu_kernels.Packing | None]:
-  """The model, adapters merged when `cfg.merge_lora`, and its packing with `packed`."""
+def _merged(graphdef, state, cfg) -> CausalLM:
+  """The model, adapters merged when `cfg.merge_lora`."""
   model: CausalLM = nnx.merge(graphdef, state)
-  if cfg.merge_lora:
-    merge_lora(model)  # in this trace only: the caller's state is untouched
-  return model, cpu_kernels.packing_for(as_dtype(model.cfg.dtype)) if packed else None
+  return merge_adapters(model) if cfg.merge_lora else model
 
 
-def weights_of(graphdef, state, cfg, packed: bool) -> dict:
+def weights_of(graphdef, state, cfg, packed: bool, mesh=None) -> dict:
   """`prepared_weights` of the model as `prepared_model` sees it (a program of its own, so that
   several programs share the weights prepared once)."""
-  return prepared_weights(*_merged(graphdef, state, cfg, packed))
+  model = _merged(graphdef, state, cfg)
+  return prepared_weights(model, seam.choose(model.cfg, mesh, packed=packed).packing)
 
 
 @contextlib.contextmanager
@@ -158,15 +158,16 @@ def prepared_model(graphdef, state, cfg, packed: bool, prepare: bool = True, wei
   hidden [B, D] -> float32 logits; and the program's `Kernels` (`seam.choose` for the mesh,
   with the C++ decode attention given `decode_rows`), whose `products` multiply the
   projections by weights prepared once (`prepared_weights`, here or given as `weights`; with
-  `packed`, packed for the CPU's products where it has them). `prepare` false keeps the
-  model's own products (no second copy of the weights; the head is still packed)."""
-  model, packing = _merged(graphdef, state, cfg, packed)
-  kernels = seam.choose(model.cfg, mesh, decode_rows=decode_rows)
+  `packed`, packed by the seam's `Kernels.packing` where the backend has one). `prepare`
+  false keeps the model's own products (no second copy of the weights; the head is still
+  packed)."""
+  model = _merged(graphdef, state, cfg)
+  kernels = seam.choose(model.cfg, mesh, decode_rows=decode_rows, packed=packed)
   if weights is None:
-    weights = prepared_weights(model, packing)
-  table, logits_of = products(model, packing, weights, kernels)
+    weights = prepared_weights(model, kernels.packing)
+  table, logits_of = products(model, weights, kernels)
   yield model, scoped("lm_head", logits_of), (dataclasses.replace(kernels, products=table) if prepare
-                                                 else kernels)
+                                               else kernels)
 
 
 def chooser(cfg, kernels: bool) -> Callable:

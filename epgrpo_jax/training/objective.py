@@ -18,7 +18,7 @@ from flax import nnx
 
 from epgrpo_jax.core import advantages, losses, token_stats
 from epgrpo_jax.core import optim
-from epgrpo_jax.models import XLA, CausalLM, Kernels, lora_layers, rope_table
+from epgrpo_jax.models import XLA, CausalLM, Kernels, adapters_are_zero, rope_table
 from epgrpo_jax.training.advantage_program import advantage_step
 from epgrpo_jax.training.batches import CompletionBatch, Scored, UpdateBatch
 
@@ -188,7 +188,7 @@ def policy_is_reference(graphdef, trainable: nnx.State, frozen: nnx.State,
     same = jax.tree.map(lambda a, b: jnp.all(a == b), trainable, reference)
     return jnp.all(jnp.stack(jax.tree.leaves(same)))
   model = nnx.merge(graphdef, frozen, trainable)
-  return jnp.all(jnp.stack([jnp.all(layer.lora_b[...] == 0) for layer in lora_layers(model)]))
+  return adapters_are_zero(model)
 
 
 def fused_update(graphdef, tx: optax.GradientTransformation, trainable: nnx.State,

@@ -27,13 +27,15 @@ def _matmul(native: bool):
 
 
 def kernels(*, attention: str, native: bool, decode_rows: tuple[int, int] | None = None,
-            **common) -> Kernels:
+            packing_dtype=None, **common) -> Kernels:
   """The CPU's `Kernels`. `attention`: the resolved implementation ("cpu": the C++ causal
   kernel for passes without a cache, "plain" for the others); `native`: the C++ kernels may
   run (a single-device program, built here); `decode_rows`: one-token decode steps attend in
   C++ (`cpu.decode_attention`; the caller checked `seam.native`), given (rows sharing a
-  prompt, its slots): a prompt's slots are read once for its rows; None: XLA's attention. `common`: the
-  backend-independent fields (`constrain`)."""
+  prompt, its slots): a prompt's slots are read once for its rows; None: XLA's attention.
+  `packing_dtype`: weights prepared once are packed for the C++ products of a model computing
+  in that dtype (`cpu.packing_for`; the caller checked `seam.native`); None: not packed.
+  `common`: the backend-independent fields (`constrain`)."""
   matmul = _matmul(native)
   decode = None
   if decode_rows is not None:
@@ -51,6 +53,7 @@ def kernels(*, attention: str, native: bool, decode_rows: tuple[int, int] | None
       write_slots=_WRITE_SLOTS,
       write_row_slots=_WRITE_ROW_SLOTS,
       rank_barrier=jax.lax.optimization_barrier,
+      packing=cpu.packing_for(packing_dtype) if packing_dtype is not None else None,
       **common)
 
 
