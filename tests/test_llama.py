@@ -137,7 +137,7 @@ def test_mesh_placement_on_8_devices(base_dir):
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, value = ".".join(map(str, path)), var.get_value()
     assert value.sharding.spec == param_sharding(name, value.shape, mesh, param_rules(model.cfg)).spec
-  assert model.layers[0].attn.q.kernel.get_value().sharding.spec == P("fsdp", "tensor")
+  assert model.layers[0].attn.q.base.kernel.get_value().sharding.spec == P("fsdp", "tensor")
   tokens, mask, positions = padded_batch(97, [0, 1, 2, 3], 8, "left")
   chex.assert_trees_all_close(ours(model, tokens, mask, positions),
                               ours(from_pretrained(base_dir), tokens, mask, positions), atol=1e-5)

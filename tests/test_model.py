@@ -482,10 +482,10 @@ def test_mesh_placement(tmp_path):
     specs[name] = value.sharding.spec
   assert specs["embed"] == P("tensor", "fsdp")
   assert specs["lm_head"] == P("fsdp", "tensor")
-  assert specs["layers.0.attn.q.kernel"] == P("fsdp", "tensor")
-  assert specs["layers.0.attn.q.bias"] == P("tensor")
-  assert specs["layers.0.attn.o.kernel"] == P("tensor", "fsdp")
-  assert specs["layers.1.mlp.down.kernel"] == P("tensor", "fsdp")
+  assert specs["layers.0.attn.q.base.kernel"] == P("fsdp", "tensor")
+  assert specs["layers.0.attn.q.base.bias"] == P("tensor")
+  assert specs["layers.0.attn.o.base.kernel"] == P("tensor", "fsdp")
+  assert specs["layers.1.mlp.down.base.kernel"] == P("tensor", "fsdp")
   assert specs["layers.1.mlp.up.lora_b"] == P(None, "tensor")
   assert model.final_norm.weight.get_value().sharding.is_fully_replicated
   tokens, mask, positions = padded_batch(96, [0, 1, 2, 3], 8, "left")

@@ -174,7 +174,7 @@ def test_mesh_placement_on_8_devices(base_dir):
     assert specs[name] == param_sharding(name, value.shape, mesh, param_rules(model.cfg)).spec, name
   assert family("qwen3").param_rules() == param_rules(model.cfg)
   assert not any("bias" in pattern for pattern, _ in family("qwen3").param_axes)
-  assert specs["layers.0.attn.q.kernel"] == P("fsdp", "tensor")
+  assert specs["layers.0.attn.q.base.kernel"] == P("fsdp", "tensor")  # q wrapped by its adapter
   assert specs["layers.0.attn.k.lora_b"] == P(None, "tensor")
   assert all(shardings[f"layers.{i}.attn.{x}_norm.weight"].is_fully_replicated
              for i in range(2) for x in "qk")

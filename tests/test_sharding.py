@@ -231,8 +231,8 @@ def test_parameters_and_optimizer_state_are_sharded_as_declared(sharded):
   opt = _specs(arrays["opt_state"])
   f = "fsdp" if fsdp > 1 else None
   t = "tensor" if tensor > 1 else None
-  assert frozen["layers.0.attn.q.kernel"] == P(f, t)
-  assert frozen["layers.0.mlp.down.kernel"] == P(t, f)
+  assert frozen["layers.0.attn.q.base.kernel"] == P(f, t)
+  assert frozen["layers.0.mlp.down.base.kernel"] == P(t, f)
   assert frozen["embed"][1] == f
   assert trainable["layers.0.attn.q.lora_a"] == P(f, None)
   assert trainable["layers.0.mlp.up.lora_b"] == P(None, t)
@@ -241,7 +241,7 @@ def test_parameters_and_optimizer_state_are_sharded_as_declared(sharded):
   assert all(opt[p] == P(None, f) for p in moments)
   if fsdp > 1 or tensor > 1:  # FSDP / tensor parallelism really splits the weights
     q = jax.tree_util.tree_flatten_with_path(arrays["frozen"])[0]
-    kernel = next(x for p, x in q if sharding.path_str(p) == "layers.0.attn.q.kernel")
+    kernel = next(x for p, x in q if sharding.path_str(p) == "layers.0.attn.q.base.kernel")
     assert kernel.addressable_shards[0].data.size == kernel.size // (fsdp * tensor)
 
 

@@ -34,9 +34,11 @@ def backend_of(mesh: jax.sharding.Mesh | None) -> str:
 
 
 def one_device(mesh: jax.sharding.Mesh | None) -> bool:
-  """Whether a program on `mesh` runs on one device (without a mesh: whether the process has
-  one)."""
-  return mesh.size == 1 if mesh is not None else jax.device_count() == 1
+  """Whether a program on `mesh` runs on one device. Without a mesh it does, however many the
+  process has: jit places an unsharded program on one device (the default one, or its
+  arguments'), so the C++ kernels may serve it. The one notion for every program: the
+  trainer's, SFT's and the sampler's (`sampler_native`)."""
+  return mesh is None or mesh.size == 1
 
 
 def native(backend: str, single_device: bool, wanted: bool = True) -> bool:
@@ -48,7 +50,14 @@ def native(backend: str, single_device: bool, wanted: bool = True) -> bool:
 def sampler_native(mesh: jax.sharding.Mesh | None, wanted: bool) -> bool:
   """Whether the sampler's programs on `mesh` (None: one device) run the C++ decode attention,
   thresholds or draw and packed products (`sampling.cpu_kernels`: `wanted`)."""
-  return native(backend_of(mesh), mesh is None or mesh.size == 1, wanted)
+  return native(backend_of(mesh), one_device(mesh), wanted)
+
+
+def sampler_draw(native: bool) -> tuple[Callable | None, Callable | None]:
+  """The sampler's (top-k / top-p threshold, whole nucleus draw) where they are the backend's
+  own: the C++ ones (`cpu.largest_threshold`, `cpu.nucleus_draw`) with `native`
+  (`sampler_native`); (None, None): XLA's (`rollout.strategies`)."""
+  return (cpu.largest_threshold, cpu.nucleus_draw) if native else (None, None)
 
 
 def gpu_decode(name: str, backend: str, single_device: bool) -> bool:

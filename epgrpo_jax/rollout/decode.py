@@ -18,7 +18,6 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.kernels import cpu as cpu_kernels
 from epgrpo_jax.kernels import seam
 from epgrpo_jax.models import CausalLM, Kernels, as_dtype, concatenated, merge_adapters, plain_kernels
 from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
@@ -170,14 +169,15 @@ def prepared_model(graphdef, state, cfg, packed: bool, prepare: bool = True, wei
                                                else kernels)
 
 
-def chooser(cfg, kernels: bool) -> Callable:
-  """(keys_B, logits_BxV) -> (tokens_B, logp_B, entropy_B): `sample_step`, its thresholds in
-  C++ with `kernels`, and with top-k off the whole draw in C++ (`cpu_kernels.nucleus_draw`)."""
-  if kernels and not cfg.is_greedy and cfg.top_k == 0:
-    return scoped("sampling", functools.partial(cpu_kernels.nucleus_draw, temperature=cfg.temperature,
-                                                top_p=cfg.top_p))
-  threshold = cpu_kernels.largest_threshold if kernels else largest_threshold
-  return scoped("sampling", functools.partial(sample_step, cfg=cfg, threshold=threshold))
+def chooser(cfg, native: bool) -> Callable:
+  """(keys_B, logits_BxV) -> (tokens_B, logp_B, entropy_B): `sample_step`, with the backend's
+  threshold and, with top-k off, its whole draw where the seam gives them
+  (`seam.sampler_draw`: the C++ ones with `native`)."""
+  threshold, draw = seam.sampler_draw(native)
+  if draw is not None and not cfg.is_greedy and cfg.top_k == 0:
+    return scoped("sampling", functools.partial(draw, temperature=cfg.temperature, top_p=cfg.top_p))
+  return scoped("sampling", functools.partial(sample_step, cfg=cfg,
+                                              threshold=threshold or largest_threshold))
 
 
 def stops(tokens_B: jax.Array, eos_E: jax.Array) -> jax.Array:
