@@ -53,11 +53,11 @@ def sampler_native(mesh: jax.sharding.Mesh | None, wanted: bool) -> bool:
   return native(backend_of(mesh), one_device(mesh), wanted)
 
 
-def sampler_draw(native: bool) -> tuple[Callable | None, Callable | None]:
+def sampler_draw(cpu_kernels: bool) -> tuple[Callable | None, Callable | None]:
   """The sampler's (top-k / top-p threshold, whole nucleus draw) where they are the backend's
-  own: the C++ ones (`cpu.largest_threshold`, `cpu.nucleus_draw`) with `native`
+  own: the C++ ones (`cpu.largest_threshold`, `cpu.nucleus_draw`) with `cpu_kernels`
   (`sampler_native`); (None, None): XLA's (`rollout.strategies`)."""
-  return (cpu.largest_threshold, cpu.nucleus_draw) if native else (None, None)
+  return (cpu.largest_threshold, cpu.nucleus_draw) if cpu_kernels else (None, None)
 
 
 def gpu_decode(name: str, backend: str, single_device: bool) -> bool:

@@ -26,8 +26,8 @@ from epgrpo_jax.models._kernels import XLA, Kernels, concatenated, same, xla_mat
 # Filters over model state: adapters only, and the frozen base.
 LORA = nnx.LoRAParam
 BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
-# The last path segment of a wrapper's factors in a model's state and its checkpoints (as
-# PEFT's lora_A / lora_B), and of its base layer.
+# The path segments below a wrapper in a model's state and its checkpoints: its factors' (as
+# PEFT's lora_A / lora_B), and its base layer's (the attribute `LoRA.base`).
 A, B, WRAPPED = "lora_a", "lora_b", "base"
 
 
@@ -287,7 +287,7 @@ def unmerge_adapters(model: nnx.Module) -> nnx.Module:
 # ---------------------------------------------------------------------------
 # Adapters in parameter paths: sharding tables and saved checkpoints.
 
-AxesRow = tuple[str, tuple[str | None, ...]]
+AxesRow = tuple[str, tuple[str | None, ...]]  # NNX path regex -> logical axes (`registry.AxesRow`)
 
 
 def param_rules(rows: "tuple[AxesRow, ...]") -> "tuple[AxesRow, ...]":

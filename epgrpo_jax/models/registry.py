@@ -23,7 +23,7 @@ from epgrpo_jax.models.interface import Cache, CausalLM
 # groups fill `{0}`, `{1}`, ...) and whether HF stores it transposed ([out, in] vs our [in, out]).
 WeightRow = tuple[str, str, bool]
 # One row of a sharding table: NNX parameter path (regex, full match) -> logical axes.
-AxesRow = tuple[str, tuple[str | None, ...]]
+AxesRow = _lora.AxesRow
 
 
 @dataclasses.dataclass(frozen=True)
