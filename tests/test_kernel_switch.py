@@ -64,3 +64,23 @@ def test_every_kernel_choice_follows_the_switch():
   if on[0] == "False":
     pytest.skip("the CPU kernels do not build here")
   assert on[:4] == ["True"] * 4  # panels and bf16 products depend on the CPU's instructions
+
+
+def test_one_device_means_one_thing_for_every_program():
+  """A program without a mesh runs on one device however many the process has (conftest gives
+  this one 8), for the trainer's and SFT's programs (`seam.choose`) as for the sampler's
+  (`seam.sampler_native`); a mesh of several devices is never one."""
+  import jax
+
+  from epgrpo_jax.kernels import seam
+  from epgrpo_jax.models import preset
+  from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
+
+  assert jax.device_count() > 1
+  single, several = make_mesh(devices=jax.devices()[:1]), make_mesh(MeshConfig(data=2), jax.devices()[:2])
+  assert seam.one_device(None) and seam.one_device(single) and not seam.one_device(several)
+  cfg = preset("test-tiny")
+  for mesh in (None, single, several):
+    kernels, native = seam.choose(cfg, mesh), seam.sampler_native(mesh, True)
+    assert native == (seam.one_device(mesh) and cpu_kernels.available())
+    assert (kernels.causal_attention is not None) == native  # float32: the C++ causal kernel
