@@ -3,6 +3,8 @@ bound, the versions each step trains on, k = 0 as the synchronous step, exact re
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import hypothesis.strategies as st
 import jax
@@ -13,6 +15,7 @@ from hypothesis import given
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh
+from epgrpo_jax.rollout.sampling import Sampler
 from epgrpo_jax.training.rollouts import SampledRound
 from epgrpo_jax.training.staleness import (StaleRollouts, batch_keys, batches_wanted, run_steps,
                                            split_devices, too_stale)
@@ -291,3 +294,57 @@ def test_a_rollout_mesh_beside_the_training_mesh_gets_only_the_adapters(task, tm
     assert all(x.sharding.device_set <= train_devices for x in jax.tree.leaves(state.trainable))
   finally:
     trainer.close()
+
+
+def test_the_continuous_engine_on_a_rollout_mesh_samples_the_static_batches_and_resumes_exactly(
+    task, tmp_path):
+  run = tmp_path / "run"
+  overrides = ("train.steps=3", "rollout.max_staleness=1", "rollout.devices=4",
+               "sampling.continuous=true", "sampling.slots=8", "sampling.refill_every=4")
+  first = Trainer(config(task, run, *overrides))
+  try:
+    assert first.sampler.config.continuous and first.sampler.mesh is first.rollout_mesh
+    static = Sampler(dataclasses.replace(first.sampler.config, continuous=False),
+                     eos_ids=first.eos_ids, pad_id=first.pad_id, mesh=first.rollout_mesh)
+    state = first.restore_or_init()
+    trainables, sample_keys, records, expected = [], [], [], []
+    for step in range(3):
+      trainables.append(host_copy(state.trainable))  # the update donates its input
+      sample_keys.append(jax.random.split(state.key)[1])
+      state, m, r = first.step(state)
+      records.append(r)
+      expected.append(untimed(m))
+      if step == 0:
+        first.save(state)  # in flight: the engine's batch for step 2
+        first.checkpointer.wait()
+    final = host_copy(state.trainable)
+    # Each step's batch is the one the static sampler draws on the same rollout mesh from the
+    # same policy version and key: steps 1 and 2 train on the two batches of version 0 that
+    # step 1 drew, step 3 on the batch of version 1 that step 2 drew.
+    drawn = [(0, key) for key in batch_keys(sample_keys[0], 2)] + [(1, sample_keys[1])]
+    for r, (version, key) in zip(records, drawn):
+      np.testing.assert_array_equal(r["policy_version"], np.full(P * G, version))
+      want = static.sample(first.sampler_params(jax.tree.map(jnp.asarray, trainables[version])),
+                           [e.prompt_ids for e in r["examples"]], num_samples=G, key=key)
+      n = r["rollout"].completion.shape[1]
+      np.testing.assert_array_equal(np.asarray(r["rollout"].completion),
+                                    np.asarray(want.tokens).reshape(P * G, -1)[:, :n])
+      np.testing.assert_allclose(np.asarray(r["rollout"].behaviour_logp),
+                                 np.asarray(want.logp).reshape(P * G, -1)[:, :n], atol=1e-5)
+  finally:
+    first.close()
+
+  # Resumed from step 1: the engine's batch in flight comes back from the checkpoint, and the
+  # batch of version 1 is sampled again by the engine: metrics and parameters bit-identical.
+  again = Trainer(config(task, run, *overrides))
+  try:
+    state = again.restore_or_init()
+    assert state.step == 1 and [b.version for b in again.rollouts.queue] == [0]
+    got = []
+    for _ in range(2):
+      state, m, _ = again.step(state)
+      got.append(untimed(m))
+    assert got == expected[1:]
+    chex.assert_trees_all_equal(host_copy(state.trainable), final)
+  finally:
+    again.close()
