@@ -176,6 +176,28 @@ def test_tiny_step_compiles_for_v5e_2x2_without_foreign_custom_calls(mesh_device
 
 @needs_libtpu
 @pytest.mark.usefixtures("no_compilation_cache")
+def test_llama_preset_prefill_compiles_without_foreign_custom_calls():
+  """A Llama 3.2 preset (the llama3 rotary rule, a tied head over 128,256 rows) cut to one layer:
+  its prefill compiles for one v5e chip with XLA's programs only (the whole step of the test
+  above takes minutes at this vocabulary on a CPU host)."""
+  devices = tpu_costs.topology_devices("v5e:2x2")[:1]
+  args = compile_check.parse_args([
+      "--topology", "v5e:2x2", "--preset", "llama3.2-1b", "--num-layers", "1", "--prompt-tokens", "8",
+      "train.prompts_per_step=2", "train.num_generations=2", "sampling.max_new_tokens=8",
+      "model.dtype=bfloat16", "model.param_dtype=bfloat16"])
+  check = compile_check.CompileCheck.create(args, devices)
+  cfg = check.model_cfg
+  assert (cfg.model_type, cfg.rope_scaling, cfg.num_layers) == ("llama", (32.0, 1.0, 4.0, 8192), 1)
+  # bf16 base weights: the tied 128,256 x 2,048 table, one layer (60,821,504), the final norm;
+  # float32 adapters of rank 32 (the default) on the seven projections: 32 x (in + out) each,
+  # 32 x 44,032 in all (q, o 2,048 + 2,048; k, v 2,048 + 512; gate, up, down 2,048 + 8,192).
+  assert check.weights_bytes == 2 * (128_256 * 2048 + 60_821_504 + 2048) + 4 * 32 * 44_032
+  prefill = dict(check.programs())["prefill"]()
+  assert "FOREIGN" not in prefill.note and prefill.flops > 0, prefill.note
+
+
+@needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
 def test_decode_on_the_fsdp_training_mesh_all_gathers():
   """Without a sampler mesh the sampler runs on the training mesh: under FSDP a decode block
   all-gathers (the test above: on a mesh of its own with replicated weights it gathers none)."""

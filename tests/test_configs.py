@@ -21,7 +21,8 @@ from helpers import tiny_hf_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_SMOKE_CONFIG = "qwen2.5-0.5b-real-smoke.yaml"  # tests/test_real_model.py runs it
-PAPER_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("qwen*.yaml") if p.name != REAL_SMOKE_CONFIG)
+PAPER_CONFIGS = sorted(p.name for pattern in ("qwen*.yaml", "llama*.yaml") for p in CONFIG_DIR.glob(pattern)
+                       if p.name != REAL_SMOKE_CONFIG)
 EMBEDDED_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml")
                           if p.name not in PAPER_CONFIGS and p.name != REAL_SMOKE_CONFIG)
 
@@ -55,7 +56,8 @@ def test_embedded_configs_load(name):
 @pytest.mark.parametrize("name", PAPER_CONFIGS)
 def test_paper_configs_load_with_a_local_model(name, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # their data are named sets shipped in the package: any cwd works
-  model_dir = tiny_hf_dir(tmp_path / "model")
+  family = dict(model_type="llama", attention_bias=False) if name.startswith("llama") else {}
+  model_dir = tiny_hf_dir(tmp_path / "model", **family)
   cfg = load_config(CONFIG_DIR / name, [f"model.path={model_dir}"])
   assert cfg.data.train_files == ("simplelr_math_l3to5",) and cfg.data.heldout_file == "math500"
   [train] = [data.resolve_source(f) for f in cfg.data.train_files]

@@ -1,21 +1,24 @@
 """Llama 3.x: the shared decoder without biases or q/k norms, rotary frequencies by Llama 3.1's
 "llama3" rule. Parity against `transformers.LlamaForCausalLM` (torch CPU, eager, float32) on
 random odd configs with and without the rule, the load/export round trip, greedy decoding,
-LoRA and placement on 8 fake CPU devices; helpers and tolerances of tests/test_model.py.
+LoRA and placement on 8 fake CPU devices; helpers and tolerances of tests/test_model.py. The
+presets against the published Instruct config.json files and parameter counts.
 """
 
 from __future__ import annotations
 
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from epgrpo_jax.models import (Llama, LoraConfig, build, config_from_hf, config_to_hf, from_pretrained,
-                               hf_state_dict, param_rules, rope_cos_sin, save_pretrained)
+from epgrpo_jax.models import (Llama, LoraConfig, build, config_from_hf, config_to_hf, flops,
+                               from_pretrained, hf_state_dict, param_rules, preset, rope_cos_sin,
+                               save_pretrained)
 from epgrpo_jax.parallel.sharding import MeshConfig, make_mesh, param_sharding
 from helpers import random_model, tiny_config, torch_logits
 from test_model import (LOGIT_ATOL, export_parity, hf_model, import_parity, ours,
@@ -141,3 +144,50 @@ def test_mesh_placement_on_8_devices(base_dir):
   tokens, mask, positions = padded_batch(97, [0, 1, 2, 3], 8, "left")
   chex.assert_trees_all_close(ours(model, tokens, mask, positions),
                               ours(from_pretrained(base_dir), tokens, mask, positions), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- presets
+
+def _instruct_config_json(hidden, inter, layers, heads, head_dim, tied, factor):
+  """The keys of the published config.json of meta-llama's Llama 3.1 / 3.2 Instruct models that
+  a `ModelConfig` reads, as those files spell them (`rope_scaling`, the older layout)."""
+  return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256,
+          "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+          "num_attention_heads": heads, "num_key_value_heads": 8, "head_dim": head_dim,
+          "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+          "rope_scaling": {"factor": factor, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                           "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+          "max_position_embeddings": 131072, "tie_word_embeddings": tied, "bos_token_id": 128000,
+          "eos_token_id": [128001, 128008, 128009], "attention_bias": False, "mlp_bias": False}
+
+
+# Preset: (its checkpoint's config.json keys, the parameter count published for the checkpoint).
+PRESETS = {
+    "llama3.2-1b": (_instruct_config_json(2048, 8192, 16, 32, 64, True, 32.0), 1_235_814_400),
+    "llama3.2-3b": (_instruct_config_json(3072, 8192, 28, 24, 128, True, 32.0), 3_212_749_824),
+    "llama3.1-8b": (_instruct_config_json(4096, 14336, 32, 32, 128, False, 8.0), 8_030_261_248),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_is_its_checkpoints_config_json(name):
+  hf, _ = PRESETS[name]
+  assert preset(name) == config_from_hf(hf)
+  assert preset(name).rope_scaling == (hf["rope_scaling"]["factor"], 1.0, 4.0, 8192)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_builds_with_the_published_parameter_count(name):
+  """The module of each preset, built abstractly (no weights allocated), has the checkpoint's
+  parameter count (tied heads counted once); the FLOP model's linear and head products of one
+  token are 2 per weight that multiplies it: every weight but the norms, and the embedding table
+  too unless it is the head."""
+  cfg = preset(name)
+  model = nnx.eval_shape(lambda: build(cfg, None, nnx.Rngs(0)))
+  assert isinstance(model, Llama)
+  params = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert params == PRESETS[name][1]
+  norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+  table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+  one_token = flops.forward(cfg, [1], head_tokens=1)
+  assert one_token.linear + one_token.head == 2 * (params - norms - table)

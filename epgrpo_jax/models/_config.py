@@ -120,6 +120,18 @@ def _qwen3(hidden, inter, layers, heads, kv):
                      model_type="qwen3", attention_bias=False, qk_norm=True)
 
 
+def _llama3(hidden, inter, layers, heads, head_dim, tied, rope_factor):
+  """Llama 3.1 / 3.2 Instruct: 8 KV heads, the 128,256-token vocabulary, theta 5e5 and the
+  "llama3" rotary rule over an original context of 8,192 (low 1, high 4) to 131,072 positions;
+  the Instruct files' three end ids (<|end_of_text|>, <|eom_id|>, <|eot_id|>)."""
+  return ModelConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=inter,
+                     num_layers=layers, num_heads=heads, num_kv_heads=8, head_dim=head_dim,
+                     rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                     max_position_embeddings=131072, bos_token_id=128000,
+                     eos_token_id=(128001, 128008, 128009), model_type="llama",
+                     attention_bias=False, qk_norm=False, rope_scaling=(rope_factor, 1.0, 4.0, 8192))
+
+
 PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, 151936, True),
     "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, 151936, True, 131072),
@@ -128,6 +140,11 @@ PRESETS: dict[str, ModelConfig] = {
     # The Qwen3-1.7B and Qwen3-4B config.json shapes (head_dim 128 whatever hidden / heads).
     "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8),
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8),
+    # The config.json shapes of Llama-3.2-1B/3B-Instruct (tied, rope factor 32) and
+    # Llama-3.1-8B-Instruct (untied, factor 8).
+    "llama3.2-1b": _llama3(2048, 8192, 16, 32, 64, True, 32.0),
+    "llama3.2-3b": _llama3(3072, 8192, 28, 24, 128, True, 32.0),
+    "llama3.1-8b": _llama3(4096, 14336, 32, 32, 128, False, 8.0),
     # The workload of the sampler and step benchmarks.
     "bench-tiny": ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=704,
                               num_layers=4, num_heads=4, num_kv_heads=2, rope_theta=10000.0,
