@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from epgrpo_jax.io.commandline import run_main
@@ -229,6 +230,36 @@ def test_loops_are_costed_by_their_trip_counts():
   assert m.bytes_accessed == pytest.approx(10 * cost["bytes accessed"], rel=1e-9)
   assert m.mfu == pytest.approx(m.flops / (m.seconds * 197e12), rel=1e-9)
   assert "10.0x the once-per-body cost" in m.note
+
+
+@needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_head_chunks_stay_within_each_devices_rows():
+  """The chunked head log-prob's backward with its rows split over 4 chips: token chunks of the
+  flattened rows span chips and all-gather (the hidden-gradient buffer, every chunk); chunks
+  within each chip's block of rows (`row_blocks`, what the trainer's programs pass: the mesh's
+  data x fsdp through `Kernels.batch_shards`) gather nothing."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from epgrpo_jax.core.token_stats import token_logprob_entropy
+  from epgrpo_jax.models.flops import hlo_counts
+  mesh = Mesh(np.array(tpu_costs.topology_devices("v5e:2x2")), ("rows",))
+  split = NamedSharding(mesh, PartitionSpec("rows"))
+  args = (jax.ShapeDtypeStruct((8, 64, 128), jnp.float32, sharding=split),
+          jax.ShapeDtypeStruct((128, 1024), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec())),
+          jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=split))
+
+  def gathered(blocks):
+    loss = lambda h, w, y: jnp.sum(sum(token_logprob_entropy(h, w, y, token_chunk=32, vocab_chunk=256,
+                                                             row_blocks=blocks)))
+    return hlo_counts(jax.jit(jax.grad(loss)).lower(*args).compile().as_text())["all_gather_bytes"]
+
+  assert gathered(1) >= 8 * 64 * 128 * 4  # at least the whole f32 hidden gradient
+  assert gathered(4) == 0
+  sharded = compile_check.CompileCheck.create(
+      compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "mesh.data=2", "mesh.fsdp=2"]),
+      tpu_costs.topology_devices("v5e:2x2"))
+  assert seam.choose(sharded.model_cfg, sharded.mesh, constrain=True).batch_shards == 4
+  assert seam.choose(sharded.model_cfg, sharded.mesh).batch_shards == 1
 
 
 @needs_libtpu

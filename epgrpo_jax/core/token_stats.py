@@ -1,7 +1,7 @@
 """Token log-probs and entropies from the LM head, computed in chunks.
 
-Shape suffixes: B sequences, T tokens, D hidden, V vocabulary, N = B * T
-flattened tokens, C a chunk.
+Shape suffixes: B sequences, T tokens, D hidden, V vocabulary, S row blocks of
+M = B * T / S flattened tokens each, C a chunk.
 
 `token_logprob_entropy` never holds the [B, T, V] logits: it walks token
 chunks x vocabulary chunks with an online log-sum-exp, and a custom VJP
@@ -9,6 +9,13 @@ recomputes each chunk's logits in the backward pass, so forward and backward
 hold O(token_chunk * vocab_chunk) logits at a time. A size that a chunk does
 not divide is handled by letting the last chunk overlap its predecessor (the
 overlap is masked out of every sum), so nothing is padded or copied.
+
+With `row_blocks=S`, the rows are S equal blocks (the devices' shares of a batch
+split over a mesh) and a token chunk is the same `token_chunk` positions of every
+block: chunks are sliced along each block's own rows and written back into them,
+so a batch axis split over devices stays split (a chunk of the flattened tokens
+would span devices: each chunk would all-gather its rows, and the backward the
+whole hidden-gradient buffer).
 """
 
 from __future__ import annotations
@@ -38,14 +45,18 @@ def naive_token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array,
 
 def token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array, targets_BxT: jax.Array,
                           *, temperature: float = 1.0, vocab_chunk: int = 8192,
-                          token_chunk: int = 1024) -> tuple[jax.Array, jax.Array]:
+                          token_chunk: int = 1024,
+                          row_blocks: int = 1) -> tuple[jax.Array, jax.Array]:
   """Log-prob of `targets_BxT` and full-vocabulary entropy under softmax(logits / temperature).
 
   Float32 results `(logp_BxT, entropy_BxT)`, differentiable wrt `hidden_BxTxD`
   and `head_DxV` (their gradients come back in their dtypes); matmuls
   accumulate in float32. Targets outside [0, V) give finite garbage log-probs
-  (mask them). Peak memory is a few [token_chunk, vocab_chunk] float32 arrays.
-  `temperature` and the chunk sizes are Python numbers (static under jit).
+  (mask them). Peak memory is a few [row_blocks x token_chunk, vocab_chunk] float32 arrays
+  (per device, [token_chunk, vocab_chunk] where each device holds one block).
+  `row_blocks`: how many devices split the rows (B) of `hidden_BxTxD` (a number that does
+  not divide B is read as 1). `temperature`, the chunk sizes and `row_blocks` are Python
+  numbers (static under jit).
   """
   if not temperature > 0:
     raise ValueError(f"temperature: must be > 0, got {temperature}")
@@ -59,16 +70,31 @@ def token_logprob_entropy(hidden_BxTxD: jax.Array, head_DxV: jax.Array, targets_
   n = b * t
   if n == 0:
     return jnp.zeros((b, t), _F32), jnp.zeros((b, t), _F32)
+  s = row_blocks if row_blocks >= 1 and b % row_blocks == 0 else 1
+  m = n // s
   with jax.named_scope("lm_head"):  # a profile's head share (benchmarks/update_gpu.py)
-    logp_N, entropy_N = _chunked_stats(hidden_BxTxD.reshape(n, d), head_DxV,
-                                       targets_BxT.reshape(n).astype(jnp.int32), float(temperature),
-                                       min(token_chunk, n), min(vocab_chunk, v))
-  return logp_N.reshape(b, t), entropy_N.reshape(b, t)
+    logp_SxM, entropy_SxM = _chunked_stats(hidden_BxTxD.reshape(s, m, d), head_DxV,
+                                           targets_BxT.reshape(s, m).astype(jnp.int32),
+                                           float(temperature), min(token_chunk, m),
+                                           min(vocab_chunk, v))
+  return logp_SxM.reshape(b, t), entropy_SxM.reshape(b, t)
 
 
 def _chunk_start(i, chunk: int, size: int):
   """Start of chunk i; the last chunk is pulled back to end at `size`."""
   return jnp.minimum(i * chunk, size - chunk)
+
+
+def _rows(a_SxM, r0, tc: int):
+  """Rows r0 .. r0 + tc of every block, flattened block by block: [S * tc, ...]."""
+  c_SxC = lax.dynamic_slice_in_dim(a_SxM, r0, tc, axis=1)
+  return c_SxC.reshape(-1, *c_SxC.shape[2:])
+
+
+def _put_rows(a_SxM, x_C, r0):
+  """`a_SxM` with rows r0 .. of every block replaced by `x_C` (`_rows`' layout)."""
+  return lax.dynamic_update_slice_in_dim(a_SxM, x_C.reshape(a_SxM.shape[0], -1, *a_SxM.shape[2:]),
+                                         r0, axis=1)
 
 
 def _logits(h_CxD, head_DxV, c0, vc: int, temperature: float):
@@ -89,10 +115,10 @@ def _dlogits(z_CxV, cols_V, t_C, lse_C, mean_C, glogp_C, gent_C, temperature: fl
   return dz_CxV / temperature
 
 
-def _forward(h_NxD, head_DxV, t_N, temperature, tc, vc):
-  """`(logp_N, entropy_N, lse_N, mean_N)`; mean is E_p[z] of the tempered logits z."""
-  n, v = h_NxD.shape[0], head_DxV.shape[1]
-  num_t, num_v = -(-n // tc), -(-v // vc)
+def _forward(h_SxMxD, head_DxV, t_SxM, temperature, tc, vc):
+  """`(logp, entropy, lse, mean)`, each [S, M]; mean is E_p[z] of the tempered logits z."""
+  m, v = h_SxMxD.shape[1], head_DxV.shape[1]
+  num_t, num_v = -(-m // tc), -(-v // vc)
 
   def vocab_step(j, h_CxD, t_C):
     c0 = _chunk_start(j, vc, v)
@@ -104,9 +130,8 @@ def _forward(h_NxD, head_DxV, t_N, temperature, tc, vc):
     return z_CxV, jnp.sum(jnp.where(hit_CxV, z_CxV, 0.0), axis=-1)
 
   def token_step(i, carry):
-    r0 = _chunk_start(i, tc, n)
-    h_CxD = lax.dynamic_slice_in_dim(h_NxD, r0, tc)
-    t_C = lax.dynamic_slice_in_dim(t_N, r0, tc)
+    r0 = _chunk_start(i, tc, m)
+    h_CxD, t_C = _rows(h_SxMxD, r0, tc), _rows(t_SxM, r0, tc)
     # Online softmax state: max m, s = sum e^(z-m), u = sum e^(z-m) (z-m), target logit.
     z_CxV, zt_C = vocab_step(0, h_CxD, t_C)
     m_C = jnp.max(z_CxV, axis=-1)
@@ -128,16 +153,16 @@ def _forward(h_NxD, head_DxV, t_N, temperature, tc, vc):
     m_C, s_C, u_C, zt_C = lax.fori_loop(1, num_v, merge, state)
     lse_C = m_C + jnp.log(s_C)
     out = (zt_C - lse_C, jnp.log(s_C) - u_C / s_C, lse_C, m_C + u_C / s_C)
-    return tuple(lax.dynamic_update_slice_in_dim(a, b, r0, 0) for a, b in zip(carry, out))
+    return tuple(_put_rows(a, b, r0) for a, b in zip(carry, out))
 
-  init = tuple(jnp.zeros((n,), _F32) for _ in range(4))
+  init = tuple(jnp.zeros(t_SxM.shape, _F32) for _ in range(4))
   return lax.fori_loop(0, num_t, token_step, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked_stats(h_NxD, head_DxV, t_N, temperature, tc, vc):
-  logp_N, entropy_N, _, _ = _forward(h_NxD, head_DxV, t_N, temperature, tc, vc)
-  return logp_N, entropy_N
+def _chunked_stats(h_SxMxD, head_DxV, t_SxM, temperature, tc, vc):
+  logp_SxM, entropy_SxM, _, _ = _forward(h_SxMxD, head_DxV, t_SxM, temperature, tc, vc)
+  return logp_SxM, entropy_SxM
 
 
 @jax.tree_util.register_static
@@ -149,12 +174,12 @@ class _Wanted:
   head: bool
 
 
-def _chunked_stats_fwd(h_NxD, head_DxV, t_N, temperature, tc, vc):
+def _chunked_stats_fwd(h_SxMxD, head_DxV, t_SxM, temperature, tc, vc):
   """Symbolic-zeros forward rule: the primals come with whether each is differentiated."""
-  wanted = _Wanted(hidden=h_NxD.perturbed, head=head_DxV.perturbed)
-  h_NxD, head_DxV, t_N = h_NxD.value, head_DxV.value, t_N.value
-  logp_N, entropy_N, lse_N, mean_N = _forward(h_NxD, head_DxV, t_N, temperature, tc, vc)
-  return (logp_N, entropy_N), (h_NxD, head_DxV, t_N, lse_N, mean_N, wanted)
+  wanted = _Wanted(hidden=h_SxMxD.perturbed, head=head_DxV.perturbed)
+  h_SxMxD, head_DxV, t_SxM = h_SxMxD.value, head_DxV.value, t_SxM.value
+  logp_SxM, entropy_SxM, lse_SxM, mean_SxM = _forward(h_SxMxD, head_DxV, t_SxM, temperature, tc, vc)
+  return (logp_SxM, entropy_SxM), (h_SxMxD, head_DxV, t_SxM, lse_SxM, mean_SxM, wanted)
 
 
 def _cotangent(g):
@@ -168,66 +193,71 @@ def _chunked_stats_bwd(temperature, tc, vc, res, cotangents):
   and, when the head is differentiated, d head (h^T dz).
 
   With the head gradient the vocabulary chunks run outside (each chunk's d head accumulates
-  over the token chunks in a [D, vc] float32 block; d hidden in one [N, D] float32 array);
-  without it (LoRA) the token chunks run outside, each accumulating its [tc, D] d hidden
-  block over the vocabulary. A chunk pulled back to end at the array's end masks the rows
-  or columns its predecessor covered, so nothing is counted twice.
+  over the token chunks in a [S, D, vc] float32 block, one partial sum per row block, summed
+  over the blocks once per vocabulary chunk; d hidden in one [S, M, D] float32 array);
+  without it (LoRA) the token chunks run outside, each accumulating its [S x tc, D] d hidden
+  block over the vocabulary. Every read and write of d hidden stays within each block's rows.
+  A chunk pulled back to end at the array's end masks the rows or columns its predecessor
+  covered, so nothing is counted twice.
   """
-  h_NxD, head_DxV, t_N, lse_N, mean_N, wanted = res
-  glogp_N, gent_N = (_cotangent(g) for g in cotangents)
-  if (glogp_N is None and gent_N is None) or not (wanted.hidden or wanted.head):
+  h_SxMxD, head_DxV, t_SxM, lse_SxM, mean_SxM, wanted = res
+  glogp_SxM, gent_SxM = (_cotangent(g) for g in cotangents)
+  if (glogp_SxM is None and gent_SxM is None) or not (wanted.hidden or wanted.head):
     return None, None, None
-  (n, d), v = h_NxD.shape, head_DxV.shape[1]
-  num_t, num_v = -(-n // tc), -(-v // vc)
-  rows = lambda a, r0: None if a is None else lax.dynamic_slice_in_dim(a, r0, tc)
+  (s, m, d), v = h_SxMxD.shape, head_DxV.shape[1]
+  num_t, num_v = -(-m // tc), -(-v // vc)
+  rows = lambda a, r0: None if a is None else _rows(a, r0, tc)
 
   def chunk(i, j):
     """(h chunk, head chunk, dz of the fresh rows and columns, dz of the fresh rows)."""
-    r0, c0 = _chunk_start(i, tc, n), _chunk_start(j, vc, v)
-    h_CxD = rows(h_NxD, r0)
+    r0, c0 = _chunk_start(i, tc, m), _chunk_start(j, vc, v)
+    h_CxD = rows(h_SxMxD, r0)
     z_CxV, w_DxC = _logits(h_CxD, head_DxV, c0, vc, temperature)
-    dz_CxV = _dlogits(z_CxV, c0 + jnp.arange(vc), rows(t_N, r0), rows(lse_N, r0),
-                      rows(mean_N, r0), rows(glogp_N, r0), rows(gent_N, r0), temperature)
-    dz_rows = jnp.where((r0 + jnp.arange(tc) >= i * tc)[:, None], dz_CxV, 0.0)
+    dz_CxV = _dlogits(z_CxV, c0 + jnp.arange(vc), rows(t_SxM, r0), rows(lse_SxM, r0),
+                      rows(mean_SxM, r0), rows(glogp_SxM, r0), rows(gent_SxM, r0), temperature)
+    fresh_C = jnp.tile(r0 + jnp.arange(tc) >= i * tc, s)
+    dz_rows = jnp.where(fresh_C[:, None], dz_CxV, 0.0)
     dz_fresh = jnp.where((c0 + jnp.arange(vc) >= j * vc)[None, :], dz_rows, 0.0)
     return r0, c0, h_CxD, w_DxC, dz_fresh, dz_rows
 
   dh_to_rows = lambda dz_CxV, w_DxC: jnp.einsum("cv,dv->cd", dz_CxV, w_DxC,
                                                 preferred_element_type=_F32)
   if not wanted.head:  # d hidden only: token chunks outside
-    def hidden_chunk(i, dh_NxD):
+    def hidden_chunk(i, dh_SxMxD):
       def add(j, acc_CxD):
         _, _, _, w_DxC, dz_fresh, _ = chunk(i, j)
         return acc_CxD + dh_to_rows(dz_fresh, w_DxC)
 
-      acc_CxD = lax.fori_loop(0, num_v, add, jnp.zeros((tc, d), _F32))
+      acc_CxD = lax.fori_loop(0, num_v, add, jnp.zeros((s * tc, d), _F32))
       # Rows shared with the previous chunk get their (masked) zero share added.
-      return lax.dynamic_update_slice_in_dim(
-          dh_NxD, rows(dh_NxD, _chunk_start(i, tc, n)) + acc_CxD, _chunk_start(i, tc, n), 0)
+      r0 = _chunk_start(i, tc, m)
+      return _put_rows(dh_SxMxD, rows(dh_SxMxD, r0) + acc_CxD, r0)
 
-    dh_NxD = lax.fori_loop(0, num_t, hidden_chunk, jnp.zeros((n, d), _F32))
-    return dh_NxD.astype(h_NxD.dtype), None, None
+    dh_SxMxD = lax.fori_loop(0, num_t, hidden_chunk, jnp.zeros((s, m, d), _F32))
+    return dh_SxMxD.astype(h_SxMxD.dtype), None, None
 
   def head_chunk(j, carry):
-    dh_NxD, dw_DxV = carry
+    dh_SxMxD, dw_DxV = carry
 
     def add(i, inner):
-      dh_NxD, acc_DxC = inner
+      dh_SxMxD, acc_SxDxC = inner
       r0, _, h_CxD, w_DxC, dz_fresh, dz_rows = chunk(i, j)
       if wanted.hidden:
-        dh_NxD = lax.dynamic_update_slice_in_dim(dh_NxD, rows(dh_NxD, r0)
-                                                 + dh_to_rows(dz_fresh, w_DxC), r0, 0)
-      acc_DxC = acc_DxC + jnp.einsum("cd,cv->dv", h_CxD, dz_rows, preferred_element_type=_F32)
-      return dh_NxD, acc_DxC
+        dh_SxMxD = _put_rows(dh_SxMxD, rows(dh_SxMxD, r0) + dh_to_rows(dz_fresh, w_DxC), r0)
+      acc_SxDxC = acc_SxDxC + jnp.einsum("scd,scv->sdv", h_CxD.reshape(s, tc, d),
+                                         dz_rows.reshape(s, tc, vc), preferred_element_type=_F32)
+      return dh_SxMxD, acc_SxDxC
 
-    dh_NxD, acc_DxC = lax.fori_loop(0, num_t, add, (dh_NxD, jnp.zeros((d, vc), _F32)))
+    dh_SxMxD, acc_SxDxC = lax.fori_loop(0, num_t, add,
+                                        (dh_SxMxD, jnp.zeros((s, d, vc), _F32)))
     # Columns shared with the previous chunk are rewritten with the same values.
     c0 = _chunk_start(j, vc, v)
-    return dh_NxD, lax.dynamic_update_slice_in_dim(dw_DxV, acc_DxC.astype(dw_DxV.dtype), c0, 1)
+    acc_DxC = jnp.sum(acc_SxDxC, axis=0)
+    return dh_SxMxD, lax.dynamic_update_slice_in_dim(dw_DxV, acc_DxC.astype(dw_DxV.dtype), c0, 1)
 
-  dh_NxD = jnp.zeros((n, d) if wanted.hidden else (0, d), _F32)
-  dh_NxD, dw_DxV = lax.fori_loop(0, num_v, head_chunk, (dh_NxD, jnp.zeros_like(head_DxV)))
-  return (dh_NxD.astype(h_NxD.dtype) if wanted.hidden else None), dw_DxV, None
+  dh_SxMxD = jnp.zeros((s, m, d) if wanted.hidden else (s, 0, d), _F32)
+  dh_SxMxD, dw_DxV = lax.fori_loop(0, num_v, head_chunk, (dh_SxMxD, jnp.zeros_like(head_DxV)))
+  return (dh_SxMxD.astype(h_SxMxD.dtype) if wanted.hidden else None), dw_DxV, None
 
 
 _chunked_stats.defvjp(_chunked_stats_fwd, _chunked_stats_bwd, symbolic_zeros=True)

@@ -13,6 +13,7 @@ Per backend (docs/architecture.md, "The kernel seam"):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -94,14 +95,17 @@ def choose(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, *, constrain
   """The `Kernels` of a program running the model of `cfg` on `mesh` (None: unsharded):
   `for_backend` of the mesh's platform (`backend_of`) and device count (`one_device`).
   `constrain`: keep the hidden states batch-sharded over the mesh
-  (`sharding.activation_constraints`); `decode_rows`: the C++ decode attention serves
-  one-token steps (the sampler's where `sampler_native`), given (rows sharing a prompt, its
+  (`sharding.activation_constraints`; `batch_shards` the devices that split them);
+  `decode_rows`: the C++ decode attention serves one-token steps (the sampler's where `sampler_native`), given (rows sharing a prompt, its
   slots); `packed`: weights prepared once (the sampler's) are packed for the backend's
   products where it has them (`Kernels.packing`; the sampler's where `sampler_native` and
   `sampling.packed_weights`)."""
   constrain_fn = sharding.activation_constraints(mesh) if constrain and mesh is not None else None
-  return for_backend(cfg, backend_of(mesh), one_device(mesh), constrain=constrain_fn,
-                     decode_rows=decode_rows, packed=packed)
+  kernels = for_backend(cfg, backend_of(mesh), one_device(mesh), constrain=constrain_fn,
+                        decode_rows=decode_rows, packed=packed)
+  if constrain_fn is None:
+    return kernels
+  return dataclasses.replace(kernels, batch_shards=mesh.shape["data"] * mesh.shape["fsdp"])
 
 
 def for_backend(cfg: ModelConfig, backend: str, single_device: bool, *,

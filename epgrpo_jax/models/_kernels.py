@@ -161,6 +161,10 @@ class Kernels:
   packing: how a program that prepares its weights once (the sampler's) packs them for its
   products: an object with `can_pack(weights)`, `pack(weights)`, `matmul(x, packed)` and
   `logits(x, packed)` (`kernels.cpu.Packing`); None: the weights concatenated as they are.
+
+  batch_shards: how many devices split the batch axis under `constrain` (the mesh's data x
+  fsdp; 1: unsplit): the LM head's chunked log-probs take their token chunks within each
+  device's rows (`core.token_stats`, `row_blocks`).
   """
 
   attention: str | None = None
@@ -177,6 +181,7 @@ class Kernels:
   rank_barrier: Callable = same
   products: tuple = ()
   packing: Any = None
+  batch_shards: int = 1
 
   def product(self, group: int) -> Callable | None:
     """The prepared product of projection group `group` (see `products`), or None."""

@@ -34,7 +34,8 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   `rollout.packing`, the forward runs over the packed rows, and each token's values return to
   the [B, N] layout (0 where the completion mask is false).
   """
-  kw = dict(temperature=temperature, token_chunk=token_chunk, vocab_chunk=vocab_chunk)
+  kw = dict(temperature=temperature, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
+            row_blocks=kernels.batch_shards)
   # Positions stay below the row length. Looked up in a table (a constant), the rotary cos and
   # sin are not computed afresh: XLA:CPU fuses them into each consumer, once per head and layer.
   if rollout.packing is not None:
