@@ -325,3 +325,68 @@ def test_tpu_products_are_counted_by_their_real_multiply_adds():
   attention = 2 * 16 * 2 * 8 * 512 * 512 * 128
   assert hlo_counts(TPU_HLO, loops=False)["dot_flops"] == product + attention
   assert hlo_counts(TPU_HLO)["dot_flops"] == 7 * product + attention
+
+
+# A module in the TPU compiler's form: a fusion over a whole array; a loop of 4 trips whose
+# body updates an f32[1024, 256] buffer in place with a [128, 256] slice computed from a
+# dynamic slice of a bf16 parameter, and copies a [128, 256] bf16 array into on-core memory
+# (S(1)); bookkeeping that moves nothing.
+TPU_BYTES_HLO = """\
+%fused_scale (p0: bf16[1024,256]) -> f32[1024,256] {
+  %p0 = bf16[1024,256]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %convert.1 = f32[1024,256]{1,0:T(8,128)} convert(%p0)
+}
+
+%fused_update (q0: f32[1024,256], q1: bf16[1024,256], q2: s32[]) -> f32[1024,256] {
+  %q0 = f32[1024,256]{1,0:T(8,128)} parameter(0)
+  %q1 = bf16[1024,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %q2 = s32[]{:T(128)} parameter(2)
+  %zero = s32[]{:T(128)} constant(0)
+  %ds = bf16[128,256]{1,0:T(8,128)(2,1)} dynamic-slice(%q1, %q2, %zero), dynamic_slice_sizes={128,256}
+  %cv = f32[128,256]{1,0:T(8,128)} convert(%ds)
+  ROOT %dus = f32[1024,256]{1,0:T(8,128)} dynamic-update-slice(%q0, %cv, %q2, %zero)
+}
+
+%body (a: (s32[], f32[1024,256], bf16[1024,256])) -> (s32[], f32[1024,256], bf16[1024,256]) {
+  %a = (s32[]{:T(128)}, f32[1024,256]{1,0:T(8,128)}, bf16[1024,256]{1,0:T(8,128)(2,1)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%a), index=0
+  %buf = f32[1024,256]{1,0:T(8,128)} get-tuple-element(%a), index=1
+  %xb = bf16[1024,256]{1,0:T(8,128)(2,1)} get-tuple-element(%a), index=2
+  %upd = f32[1024,256]{1,0:T(8,128)} fusion(%buf, %xb, %i), kind=kLoop, calls=%fused_update
+  %part = bf16[128,256]{1,0:T(8,128)(2,1)} slice(%xb), slice={[0:128], [0:256]}
+  %cs = (bf16[128,256]{1,0:T(8,128)(2,1)}, bf16[128,256]{1,0:T(8,128)(2,1)S(1)}, u32[]{:S(2)}) copy-start(%part)
+  %cd = bf16[128,256]{1,0:T(8,128)(2,1)S(1)} copy-done(%cs)
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%i, %one)
+  ROOT %t = (s32[]{:T(128)}, f32[1024,256]{1,0:T(8,128)}, bf16[1024,256]{1,0:T(8,128)(2,1)}) tuple(%next, %upd, %xb)
+}
+
+%cond (c: (s32[], f32[1024,256], bf16[1024,256])) -> pred[] {
+  %c = (s32[]{:T(128)}, f32[1024,256]{1,0:T(8,128)}, bf16[1024,256]{1,0:T(8,128)(2,1)}) parameter(0)
+  %n = s32[]{:T(128)} constant(4)
+  %j = s32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%j, %n), direction=LT
+}
+
+ENTRY %main (x: bf16[1024,256]) -> f32[1024,256] {
+  %x = bf16[1024,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %y = f32[1024,256]{1,0:T(8,128)} fusion(%x), kind=kLoop, calls=%fused_scale
+  %z = s32[]{:T(128)} constant(0)
+  %init = (s32[]{:T(128)}, f32[1024,256]{1,0:T(8,128)}, bf16[1024,256]{1,0:T(8,128)(2,1)}) tuple(%z, %y, %x)
+  %w = (s32[]{:T(128)}, f32[1024,256]{1,0:T(8,128)}, bf16[1024,256]{1,0:T(8,128)(2,1)}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1024,256]{1,0:T(8,128)} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hbm_bytes_count_what_each_instruction_moves():
+  """The entry's fusion reads the bf16 array and writes it as f32 (0.5 + 1 MiB); each of the 4
+  trips reads a [128, 256] bf16 slice and writes its f32 update in place (64 + 128 KiB, not the
+  1 MiB buffer), slices [128, 256] bf16 out of HBM (64 KiB read + 64 KiB written) and copies it
+  into on-core memory (64 KiB read); the loop's tuples move nothing, its scalars 25 bytes a
+  trip (the counter's add 12, the condition's compare 9, the fusion's index 4)."""
+  from epgrpo_jax.models.flops import hlo_hbm_bytes
+  kib = 1024
+  trip = (64 + 128) * kib + (64 + 64) * kib + 64 * kib + 25
+  assert hlo_hbm_bytes(TPU_BYTES_HLO, loops=False) == 512 * kib + 1024 * kib + trip
+  assert hlo_hbm_bytes(TPU_BYTES_HLO) == 512 * kib + 1024 * kib + 4 * trip

@@ -299,3 +299,129 @@ def hlo_counts(hlo_text: str, loops: bool = True) -> dict[str, float]:
 
   flops, exps, gathered = count("ENTRY")
   return {"dot_flops": float(flops), "exp": float(exps), "all_gather_bytes": float(gathered)}
+
+
+# Instructions that move no bytes of their own: bookkeeping, views, control flow (a loop's or a
+# branch's body is counted where it runs), the second halves of asynchronous pairs (their
+# starts are counted) and the TPU compiler's buffer and bitcast custom calls.
+_NO_TRAFFIC = re.compile(r"^(parameter|constant|get-tuple-element|tuple|bitcast|while|conditional|"
+                         r"call|partition-id|replica-id|after-all|opt-barrier|add-dependency|"
+                         r".*-done)$")
+_VIEWS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound", "AsyncCollectiveDone")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"^(?:ROOT )?%?([\w.\-]+) = (.*?)\s([a-z][a-z0-9\-]*)\(([^)]*)\)")
+_RUNS = re.compile(r"(?:body|condition|branch_computations|true_computation|false_computation)="
+                   r"\{?%?([\w.\-]+)")
+
+
+def _hbm_bytes(shape_text: str, everywhere: bool = False) -> float:
+  """Bytes of the arrays in a shape (a tuple's summed) that live in HBM: memory space 0 (a
+  layout's `S(n)`, n > 0, puts an array in a chip's on-core memories); all with `everywhere`."""
+  total = 0.0
+  for dtype, dims, layout in _ARRAY.findall(shape_text):
+    space = re.search(r"S\(([0-9]+)\)", layout or "")
+    if everywhere or not space or space.group(1) == "0":
+      total += _BYTES.get(dtype, 4) * math.prod(_dims(dims))
+  return total
+
+
+def _fused_io(lines: list[str]) -> tuple[dict[int, float], float | None]:
+  """What a fusion's computation reads of its operands and writes: {parameter index: bytes}
+  for parameters only sliced (`dynamic-slice`, read as their slices) or updated in place (the
+  buffer of a root `dynamic-update-slice`, not read), and the bytes written by a root of
+  in-place updates (their updates), else None."""
+  shapes, params, users = {}, {}, {}
+  root = None
+  for ins in lines:
+    m = _INSTRUCTION.match(ins)
+    if not m:
+      continue
+    name, shape, op, operands = m.groups()
+    shapes[name] = shape
+    if op == "parameter":
+      params[name] = int(re.search(r"parameter\(([0-9]+)\)", ins).group(1))
+    for k, operand in enumerate(re.findall(r"%([\w.\-]+)", operands)):
+      users.setdefault(operand, []).append((op, k, name))
+    if ins.startswith("ROOT"):
+      root = (name, op, operands)
+  updates = []
+  if root is not None:
+    name, op, operands = root
+    parts = re.findall(r"%([\w.\-]+)", operands) if op == "tuple" else [name]
+    for part in parts:
+      use = next((ins for ins in lines if re.match(rf"^(ROOT )?%{re.escape(part)} = ", ins)), "")
+      m = _INSTRUCTION.match(use)
+      if m and m.group(3) == "dynamic-update-slice":
+        updates.append(re.findall(r"%([\w.\-]+)", m.group(4))[:2])
+  in_place = {buffer for buffer, _ in updates}
+  reads = {}
+  for name, index in params.items():
+    uses = users.get(name, [])
+    if name in in_place and len(uses) == 1:
+      reads[index] = 0.0
+    elif uses and all(op == "dynamic-slice" and k == 0 for op, k, _ in uses):
+      reads[index] = sum(_hbm_bytes(shapes[user]) for _, _, user in uses)
+  written = sum(_hbm_bytes(shapes.get(update, "")) for _, update in updates) if updates else None
+  return reads, written
+
+
+def hlo_hbm_bytes(hlo_text: str, loops: bool = True) -> float:
+  """Bytes an optimized HLO module (`compiled.as_text()`) reads from and writes to HBM: per
+  instruction of the computations that run (the entry, loop bodies and conditions, branches,
+  each loop's counted its trip count times, or once with `loops=False`), its operands and its
+  result, arrays in HBM only (not those the compiler placed in on-core memory). A fusion reads
+  each operand once and writes its result once (its inside stays on the core); slices read
+  their slice, an in-place `dynamic-update-slice` (or a fusion rooted in one) reads and writes
+  its update, not the whole buffer. Unlike XLA's `bytes accessed`, whole buffers that an
+  instruction touches a slice of are not counted whole."""
+  comps = _computations(hlo_text)
+  shapes = {}  # every instruction's and parameter's shape, by name (names are module-unique)
+  for lines in comps.values():
+    for ins in lines:
+      m = _INSTRUCTION.match(ins)
+      if m:
+        shapes[m.group(1)] = m.group(2)
+  fused: dict[str, tuple[dict[int, float], float | None]] = {}
+  done: dict[str, float] = {}
+
+  def one(ins: str) -> tuple[float, list[str]]:
+    m = _INSTRUCTION.match(ins)
+    if not m:
+      return 0.0, []
+    _, shape, op, operands = m.groups()
+    names = re.findall(r"%([\w.\-]+)", operands)
+    runs = _RUNS.findall(ins) if op in ("while", "conditional") else (
+        re.findall(r"to_apply=%?([\w.\-]+)", ins) if op == "call" else [])
+    target = re.search(r'custom_call_target="([^"]+)"', ins)
+    if _NO_TRAFFIC.match(op) or (target and target.group(1) in _VIEWS):
+      return 0.0, runs
+    out = _hbm_bytes(shape)
+    if op.endswith("-start"):  # its result tuple repeats the operands first
+      out = max(out - sum(_hbm_bytes(shapes.get(n, "")) for n in names), 0.0)
+    if op in ("dynamic-slice", "slice", "slice-start"):  # reads its slice of the source
+      size = _hbm_bytes(shape, everywhere=True) - (
+          sum(_hbm_bytes(shapes.get(n, ""), everywhere=True) for n in names) if op == "slice-start" else 0)
+      return (size if names and _hbm_bytes(shapes.get(names[0], "")) else 0.0) + out, runs
+    if op == "dynamic-update-slice":
+      return 2 * _hbm_bytes(shapes.get(names[1], "")), runs
+    reads = [_hbm_bytes(shapes.get(n, "")) for n in names]
+    if op == "fusion":
+      callee = re.search(r"calls=%?([\w.\-]+)", ins).group(1)
+      if callee not in fused:
+        fused[callee] = _fused_io(comps.get(callee, []))
+      partial, written = fused[callee]
+      reads = [partial.get(k, r) for k, r in enumerate(reads)]
+      out = out if written is None else written
+    return sum(reads) + out, runs
+
+  def count(comp: str) -> float:
+    if comp not in done:
+      total = 0.0
+      for ins in comps.get(comp, []):
+        moved, runs = one(ins)
+        trips = _trip_count(ins, comps) if " while(" in ins and loops else 1
+        total += moved + trips * sum(count(c) for c in runs)
+      done[comp] = total
+    return done[comp]
+
+  return count("ENTRY")

@@ -104,6 +104,7 @@ class Measured:
   note: str = ""
   loops: int = 0  # while loops in the program: XLA's cost analysis counts each body once
   gathered: float = 0.0  # bytes all-gathered per device, loops by their trip counts
+  hbm: float = 0.0  # HBM bytes read and written per device, instruction by instruction
   hlo: str = dataclasses.field(default="", repr=False)  # the optimised module's text
 
   @property
@@ -117,7 +118,9 @@ class Measured:
 
   @property
   def bandwidth_use(self) -> float:
-    return self.bytes_accessed / (self.seconds * self.chip.hbm_bandwidth) if self.seconds > 0 else 0.0
+    """The HBM bytes (per instruction, else XLA's bytes accessed) over the estimated time."""
+    moved = self.hbm or self.bytes_accessed
+    return moved / (self.seconds * self.chip.hbm_bandwidth) if self.seconds > 0 else 0.0
 
   @property
   def fits(self) -> bool:
@@ -129,10 +132,13 @@ def measure(name: str, compiled, chip: Chip, *, runs: float = 1.0, note: str = "
   counts. XLA's cost analysis costs each `while` body once; the FLOPs here are the module's
   dot FLOPs with every loop body times its trip count (`models.flops.hlo_counts`), and the
   compiler's time and bytes are scaled by the same factor (loop-aware / once-per-body dot
-  FLOPs), which takes a loop's share of time and bytes to be its share of the FLOPs. Where
-  the compiler gives no time estimate (a negative `optimal_seconds`), the roofline
-  max(flops / peak, bytes / bandwidth) stands in, and the note says so."""
-  from epgrpo_jax.models.flops import hlo_counts
+  FLOPs), which takes a loop's share of time and bytes to be its share of the FLOPs. The HBM
+  bytes are counted instruction by instruction in the compiled HLO (`models.flops.
+  hlo_hbm_bytes`: operands and results in HBM, slices and in-place updates by their size,
+  loops by trip count). Where the compiler gives no time estimate (a negative
+  `optimal_seconds`), the roofline max(flops / peak, HBM bytes / bandwidth) stands in, and
+  the note says so."""
+  from epgrpo_jax.models.flops import hlo_counts, hlo_hbm_bytes
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
@@ -143,10 +149,11 @@ def measure(name: str, compiled, chip: Chip, *, runs: float = 1.0, note: str = "
   dots, once = counts["dot_flops"], hlo_counts(text, loops=False)["dot_flops"]
   repeat = dots / once if once > 0 else 1.0
   flops, moved = (dots if dots > 0 else flops), moved * repeat
+  hbm = hlo_hbm_bytes(text)
   if seconds > 0:
     seconds *= repeat
   else:
-    seconds = max(flops / chip.peak_flops, moved / chip.hbm_bandwidth)
+    seconds = max(flops / chip.peak_flops, (hbm or moved) / chip.hbm_bandwidth)
     note = "; ".join(filter(None, [note, "no compiler estimate: roofline time"]))
   foreign = foreign_calls(text)
   if foreign:
@@ -157,7 +164,7 @@ def measure(name: str, compiled, chip: Chip, *, runs: float = 1.0, note: str = "
                                          f"once-per-body cost"]))
   return Measured(name, mem.argument_size_in_bytes, mem.output_size_in_bytes,
                   mem.alias_size_in_bytes, mem.temp_size_in_bytes, flops, moved, seconds, chip,
-                  runs, note, loops, counts["all_gather_bytes"], text)
+                  runs, note, loops, counts["all_gather_bytes"], hbm, text)
 
 
 def while_loops(hlo_text: str) -> list[str]:
@@ -199,14 +206,15 @@ def gib(n: float) -> str:
 
 
 HEADER = (f"{'program':<28} {'args':>7} {'out':>7} {'temp':>7} {'total':>7} {'HBM':>5} "
-          f"{'GFLOP':>10} {'GB acc':>8} {'GB AG':>7} {'est ms':>9} {'MFU':>6} {'BW':>5}  note")
+          f"{'GFLOP':>10} {'GB acc':>8} {'GB HBM':>8} {'GB AG':>7} {'est ms':>9} {'MFU':>6} "
+          f"{'BW':>5}  note")
 
 
 def row(m: Measured) -> str:
-  """One program's line: memory in GiB per device (against the chip's HBM), cost (FLOPs, bytes
-  accessed, bytes all-gathered), the estimated time and the MFU and HBM bandwidth use it
-  implies."""
+  """One program's line: memory in GiB per device (against the chip's HBM), cost (FLOPs, XLA's
+  bytes accessed, the HBM bytes counted per instruction, bytes all-gathered), the estimated
+  time and the MFU and HBM bandwidth use it implies."""
   return (f"{m.name:<28} {gib(m.argument):>7} {gib(m.output):>7} {gib(m.temp):>7} "
           f"{gib(m.total):>7} {m.total / m.chip.hbm_bytes:>5.0%} {m.flops / 1e9:>10.1f} "
-          f"{m.bytes_accessed / 1e9:>8.2f} {m.gathered / 1e9:>7.3f} {m.seconds * 1e3:>9.3f} {m.mfu:>6.1%} "
+          f"{m.bytes_accessed / 1e9:>8.2f} {m.hbm / 1e9:>8.2f} {m.gathered / 1e9:>7.3f} {m.seconds * 1e3:>9.3f} {m.mfu:>6.1%} "
           f"{m.bandwidth_use:>5.0%}  {'' if m.fits else 'DOES NOT FIT; '}{m.note}")
