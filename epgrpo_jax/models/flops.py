@@ -325,44 +325,66 @@ def _hbm_bytes(shape_text: str, everywhere: bool = False) -> float:
   return total
 
 
-def _fused_io(lines: list[str]) -> tuple[dict[int, float], float | None]:
-  """What a fusion's computation reads of its operands and writes: {parameter index: bytes}
-  for parameters only sliced (`dynamic-slice`, read as their slices) or updated in place (the
-  buffer of a root `dynamic-update-slice`, not read), and the bytes written by a root of
-  in-place updates (their updates), else None."""
-  shapes, params, users = {}, {}, {}
+def _fused_io(comp: str, comps: dict[str, list[str]],
+              memo: dict[str, tuple[dict[int, float], float | None]]):
+  """What a fusion's computation `comp` reads of its operands and writes: {parameter index:
+  bytes} for parameters only sliced (`slice`, `dynamic-slice`, through bitcasts and nested
+  fusions: read as their slices) or updated in place (the buffer of a root
+  `dynamic-update-slice`: not read), and the bytes written by a root of in-place updates
+  (their updates), else None (its result)."""
+  if comp in memo:
+    return memo[comp]
+  lines = comps.get(comp, [])
+  shapes, params, users, ops = {}, {}, {}, {}
   root = None
   for ins in lines:
     m = _INSTRUCTION.match(ins)
     if not m:
       continue
     name, shape, op, operands = m.groups()
-    shapes[name] = shape
+    shapes[name], ops[name] = shape, (op, ins, re.findall(r"%([\w.\-]+)", operands))
     if op == "parameter":
       params[name] = int(re.search(r"parameter\(([0-9]+)\)", ins).group(1))
-    for k, operand in enumerate(re.findall(r"%([\w.\-]+)", operands)):
-      users.setdefault(operand, []).append((op, k, name))
+    for k, operand in enumerate(ops[name][2]):
+      users.setdefault(operand, []).append((k, name))
     if ins.startswith("ROOT"):
-      root = (name, op, operands)
-  updates = []
-  if root is not None:
-    name, op, operands = root
-    parts = re.findall(r"%([\w.\-]+)", operands) if op == "tuple" else [name]
-    for part in parts:
-      use = next((ins for ins in lines if re.match(rf"^(ROOT )?%{re.escape(part)} = ", ins)), "")
-      m = _INSTRUCTION.match(use)
-      if m and m.group(3) == "dynamic-update-slice":
-        updates.append(re.findall(r"%([\w.\-]+)", m.group(4))[:2])
+      root = name
+  parts = ops[root][2] if root and ops[root][0] == "tuple" else ([root] if root else [])
+  updates = [ops[n][2][:2] for n in parts if n in ops and ops[n][0] == "dynamic-update-slice"]
   in_place = {buffer for buffer, _ in updates}
+
+  def sliced(name: str) -> float | None:
+    """Bytes read of `name` where every use reads a slice of it, else None."""
+    total = 0.0
+    for k, user in users.get(name, []):
+      op, ins, _ = ops[user]
+      if op in ("slice", "dynamic-slice") and k == 0:
+        total += _hbm_bytes(shapes[user], everywhere=True)
+      elif op == "bitcast":
+        inner = sliced(user)
+        if inner is None:
+          return None
+        total += inner
+      elif op == "fusion":
+        inner = _fused_io(re.search(r"calls=%?([\w.\-]+)", ins).group(1), comps, memo)[0].get(k)
+        if inner is None:
+          return None
+        total += inner
+      else:
+        return None
+    return total if users.get(name) else None
+
   reads = {}
   for name, index in params.items():
-    uses = users.get(name, [])
-    if name in in_place and len(uses) == 1:
+    if name in in_place and len(users.get(name, [])) == 1:
       reads[index] = 0.0
-    elif uses and all(op == "dynamic-slice" and k == 0 for op, k, _ in uses):
-      reads[index] = sum(_hbm_bytes(shapes[user]) for _, _, user in uses)
+    else:
+      part = sliced(name)
+      if part is not None:
+        reads[index] = part
   written = sum(_hbm_bytes(shapes.get(update, "")) for _, update in updates) if updates else None
-  return reads, written
+  memo[comp] = (reads, written)
+  return memo[comp]
 
 
 def hlo_hbm_bytes(hlo_text: str, loops: bool = True) -> float:
@@ -407,9 +429,7 @@ def hlo_hbm_bytes(hlo_text: str, loops: bool = True) -> float:
     reads = [_hbm_bytes(shapes.get(n, "")) for n in names]
     if op == "fusion":
       callee = re.search(r"calls=%?([\w.\-]+)", ins).group(1)
-      if callee not in fused:
-        fused[callee] = _fused_io(comps.get(callee, []))
-      partial, written = fused[callee]
+      partial, written = _fused_io(callee, comps, fused)
       reads = [partial.get(k, r) for k, r in enumerate(reads)]
       out = out if written is None else written
     return sum(reads) + out, runs
