@@ -385,7 +385,7 @@ def test_hbm_bytes_count_what_each_instruction_moves():
   1 MiB buffer), slices [128, 256] bf16 out of HBM (64 KiB read + 64 KiB written) and copies it
   into on-core memory (64 KiB read); the loop's tuples move nothing, its scalars 25 bytes a
   trip (the counter's add 12, the condition's compare 9, the fusion's index 4)."""
-  from epgrpo_jax.models.flops import hlo_hbm_bytes
+  from epgrpo_jax.models.hlo_bytes import hlo_hbm_bytes
   kib = 1024
   trip = (64 + 128) * kib + (64 + 64) * kib + 64 * kib + 25
   assert hlo_hbm_bytes(TPU_BYTES_HLO, loops=False) == 512 * kib + 1024 * kib + trip

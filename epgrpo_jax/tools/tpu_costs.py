@@ -133,12 +133,13 @@ def measure(name: str, compiled, chip: Chip, *, runs: float = 1.0, note: str = "
   dot FLOPs with every loop body times its trip count (`models.flops.hlo_counts`), and the
   compiler's time and bytes are scaled by the same factor (loop-aware / once-per-body dot
   FLOPs), which takes a loop's share of time and bytes to be its share of the FLOPs. The HBM
-  bytes are counted instruction by instruction in the compiled HLO (`models.flops.
-  hlo_hbm_bytes`: operands and results in HBM, slices and in-place updates by their size,
-  loops by trip count). Where the compiler gives no time estimate (a negative
+  bytes are counted instruction by instruction in the compiled HLO (`models.hlo_bytes`:
+  operands and results in HBM, slices and in-place updates by their size, loops by trip
+  count). Where the compiler gives no time estimate (a negative
   `optimal_seconds`), the roofline max(flops / peak, HBM bytes / bandwidth) stands in, and
   the note says so."""
-  from epgrpo_jax.models.flops import hlo_counts, hlo_hbm_bytes
+  from epgrpo_jax.models.flops import hlo_counts
+  from epgrpo_jax.models.hlo_bytes import hlo_hbm_bytes
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
