@@ -30,7 +30,8 @@ from epgrpo_jax.core.token_stats import token_logprob_entropy
 from epgrpo_jax.tools import tpu_costs
 
 
-def compiled_head(mesh: Mesh, shape: tuple[int, int, int, int], blocks: int, gathered: bool):
+def compiled_head(mesh: Mesh, shape: tuple[int, int, int, int], blocks: int, gathered: bool,
+                  constrained: bool = False):
   """d hidden of sum(c * logp) + 0.01 sum(c * entropy), the rows split over the mesh."""
   b, t, d, v = shape
   rows = NamedSharding(mesh, PartitionSpec("fsdp"))
@@ -41,6 +42,8 @@ def compiled_head(mesh: Mesh, shape: tuple[int, int, int, int], blocks: int, gat
           jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=rows))
 
   def loss(h, w, y, c):
+    if constrained:  # gathered inside the program, as the trainer's `Kernels.constrain` would
+      w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec()))
     logp, entropy = token_logprob_entropy(h, w, y, row_blocks=blocks)
     return jnp.sum(c * logp) + 0.01 * jnp.sum(c * entropy)
 
@@ -55,6 +58,7 @@ def main() -> None:
   p.add_argument("--tokens", type=int, default=2304)
   p.add_argument("--hidden", type=int, default=2048)
   p.add_argument("--vocab", type=int, default=151936)
+  p.add_argument("--only", default="", help="comma-separated variants to compile (default: all)")
   args = p.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)
   devices = tpu_costs.topology_devices(args.topology, args.chips_per_host)
@@ -62,10 +66,15 @@ def main() -> None:
   shape = (args.rows, args.tokens, args.hidden, args.vocab)
   print(f"{args.topology}: {len(devices)} chips; rows x tokens x hidden x vocab = {shape}")
   print(tpu_costs.HEADER)
-  for name, blocks, gathered in (("one block", 1, False), ("row blocks", len(devices), False),
-                                 ("row blocks, head gathered", len(devices), True)):
+  variants = (("one block", 1, False, False), ("row blocks", len(devices), False, False),
+              ("row blocks, head gathered", len(devices), True, False),
+              ("row blocks, head constrained", len(devices), False, True))
+  only = set(args.only.split(",")) if args.only else None
+  for name, blocks, gathered, constrained in variants:
+    if only and name not in only:
+      continue
     start = time.perf_counter()
-    m = tpu_costs.measure(name, compiled_head(mesh, shape, blocks, gathered),
+    m = tpu_costs.measure(name, compiled_head(mesh, shape, blocks, gathered, constrained),
                           tpu_costs.chip_of(devices))
     print(tpu_costs.row(m), f"[{time.perf_counter() - start:.0f}s]", flush=True)
 

@@ -299,4 +299,3 @@ def hlo_counts(hlo_text: str, loops: bool = True) -> dict[str, float]:
 
   flops, exps, gathered = count("ENTRY")
   return {"dot_flops": float(flops), "exp": float(exps), "all_gather_bytes": float(gathered)}
-

@@ -157,13 +157,12 @@ def leading_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
 
 def activation_constraints(mesh: Mesh):
   """`(x, kind) -> x` for `models.Kernels.constrain`: hidden states [B, ...] split over
-  data x fsdp; the embedding table [V, D] ("embedding", before the lookup) and the LM head
-  [D, V] ("head", before the chunked log-probs slice it) gathered over fsdp once (as FSDP
-  gathers every weight before use; the vocabulary stays split over tensor)."""
+  data x fsdp; the embedding table gathered over fsdp before the lookup (as FSDP gathers
+  every weight before use; the vocabulary stays split over tensor)."""
   def constrain(x, kind: str = "hidden"):
-    if kind in ("embedding", "head"):
-      axes = ("vocab", None) if kind == "embedding" else (None, "vocab")
-      return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, x.shape, mesh)))
+    if kind == "embedding":
+      return jax.lax.with_sharding_constraint(
+          x, NamedSharding(mesh, spec_for(("vocab", None), x.shape, mesh)))
     if x.ndim == 0:
       return x
     return jax.lax.with_sharding_constraint(x, leading_sharding(mesh, x.shape))

@@ -36,8 +36,6 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   """
   kw = dict(temperature=temperature, token_chunk=token_chunk, vocab_chunk=vocab_chunk,
             row_blocks=kernels.batch_shards)
-  # The head gathered once, not chunk by chunk inside its loops (FSDP splits its hidden axis).
-  head = lambda: kernels.constrain(model.head_DxV(), "head")
   # Positions stay below the row length. Looked up in a table (a constant), the rotary cos and
   # sin are not computed afresh: XLA:CPU fuses them into each consumer, once per head and layer.
   if rollout.packing is not None:
@@ -45,7 +43,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
     hidden_RxLxD, _ = model(p.tokens, p.positions, p.segments > 0, adapters=adapters,
                             segments_BxT=p.segments, kernels=kernels,
                             rope_table=rope_table(model.cfg, p.tokens.shape[1]))
-    per_slot = token_stats.token_logprob_entropy(hidden_RxLxD, head(), p.targets, **kw)
+    per_slot = token_stats.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
     mask_BxN = rollout.completion_mask
     return tuple(jnp.where(mask_BxN, x_RxL.reshape(-1)[p.index], 0.0) for x_RxL in per_slot)
   tp = rollout.prompt_ids.shape[1]
@@ -55,7 +53,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters, kernels=kernels,
                           rope_table=rope_table(model.cfg, tokens_BxL.shape[1]))
   hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
-  return token_stats.token_logprob_entropy(hidden_BxNxD, head(), rollout.completion, **kw)
+  return token_stats.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
 
 
 def reference_logprobs(graphdef, trainable: nnx.State, frozen: nnx.State,
