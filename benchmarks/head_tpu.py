@@ -11,8 +11,11 @@ variant, one line of `tools.tpu_costs.row` (memory, FLOPs by trip count, XLA's b
 accessed, HBM bytes per instruction, bytes all-gathered, estimated time, MFU):
 - one block: token chunks of the flattened rows (`row_blocks=1`, the layout before), the head
   split over fsdp as the model holds it;
-- row blocks: chunks within each chip's rows (`row_blocks` = chips), the head split;
-- row blocks, head gathered: as the trainer runs it (`Kernels.constrain(head, "head")`).
+- row blocks: chunks within each chip's rows (`row_blocks` = chips), the head split (as the
+  trainer runs it);
+- row blocks, head gathered: the head an argument already replicated on every chip;
+- row blocks, head constrained: the head split, gathered by a sharding constraint inside the
+  program (where the compiler places that gather).
 docs/distributed.md ("The head's chunks on a split batch") records the figures.
 """
 
