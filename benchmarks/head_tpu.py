@@ -61,7 +61,7 @@ def main() -> None:
   p.add_argument("--tokens", type=int, default=2304)
   p.add_argument("--hidden", type=int, default=2048)
   p.add_argument("--vocab", type=int, default=151936)
-  p.add_argument("--only", default="", help="comma-separated variants to compile (default: all)")
+  p.add_argument("--only", default="", help="variants to compile, separated by ; (default: all)")
   args = p.parse_args()
   jax.config.update("jax_enable_compilation_cache", False)
   devices = tpu_costs.topology_devices(args.topology, args.chips_per_host)
@@ -72,7 +72,7 @@ def main() -> None:
   variants = (("one block", 1, False, False), ("row blocks", len(devices), False, False),
               ("row blocks, head gathered", len(devices), True, False),
               ("row blocks, head constrained", len(devices), False, True))
-  only = set(args.only.split(",")) if args.only else None
+  only = set(args.only.split(";")) if args.only else None
   for name, blocks, gathered, constrained in variants:
     if only and name not in only:
       continue
