@@ -96,10 +96,10 @@ def choose(cfg: ModelConfig, mesh: jax.sharding.Mesh | None = None, *, constrain
   `for_backend` of the mesh's platform (`backend_of`) and device count (`one_device`).
   `constrain`: keep the hidden states batch-sharded over the mesh
   (`sharding.activation_constraints`; `batch_shards` the devices that split them);
-  `decode_rows`: the C++ decode attention serves one-token steps (the sampler's where `sampler_native`), given (rows sharing a prompt, its
-  slots); `packed`: weights prepared once (the sampler's) are packed for the backend's
-  products where it has them (`Kernels.packing`; the sampler's where `sampler_native` and
-  `sampling.packed_weights`)."""
+  `decode_rows`: the C++ decode attention serves one-token steps (the sampler's where
+  `sampler_native`), given (rows sharing a prompt, its slots); `packed`: weights prepared once
+  (the sampler's) are packed for the backend's products where it has them (`Kernels.packing`;
+  the sampler's where `sampler_native` and `sampling.packed_weights`)."""
   constrain_fn = sharding.activation_constraints(mesh) if constrain and mesh is not None else None
   kernels = for_backend(cfg, backend_of(mesh), one_device(mesh), constrain=constrain_fn,
                         decode_rows=decode_rows, packed=packed)
