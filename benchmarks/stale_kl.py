@@ -26,13 +26,14 @@ import numpy as np
 
 
 def parse_args(argv=None):
+  from epgrpo_jax.io.paths import path_flag  # `~` in a path flag, as in the commands
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default=None, help="config file (default: the embedded default)")
+  ap.add_argument("--config", type=path_flag, default=None, help="config file (default: the embedded default)")
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--cap", type=float, default=2.0, help="the truncation of the importance weight")
   ap.add_argument("--fresh-above", type=float, default=0.5,
                   help="sample an on-policy batch of the same prompts when the plain KL exceeds this")
-  ap.add_argument("--output-dir", default="runs/stale-kl")
+  ap.add_argument("--output-dir", type=path_flag, default="runs/stale-kl")
   ap.add_argument("overrides", nargs="*", help="dotted config overrides")
   return ap.parse_args(argv)
 
