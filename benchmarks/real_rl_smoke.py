@@ -1,6 +1,6 @@
 """EP-GRPO on a real checkpoint: the smoke config's steps, timed per phase, with memory.
 
-Builds the trainer of `configs/qwen2.5-0.5b-real-smoke.yaml` (2 prompts x 4
+Builds the trainer of `configs/qwen2.5-0.5b-real-smoke.yaml` (1 prompt x 8
 samples, 256 new tokens, LoRA r32 on every linear layer, bf16 base) on
 `--model`, runs its steps with `Trainer.step` and prints per step: sampling,
 the rest before the update (scoring + reference passes, rewards, advantage),

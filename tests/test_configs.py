@@ -80,7 +80,7 @@ def test_real_smoke_config_loads_with_a_local_model(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)  # its data path is relative to the repository root
   cfg = load_config(CONFIG_DIR / REAL_SMOKE_CONFIG, [f"model.path={tiny_hf_dir(tmp_path)}"])
   t, lora = cfg.train, cfg.lora
-  assert (t.steps, t.prompts_per_step, t.num_generations, cfg.sampling.max_new_tokens) == (3, 2, 4, 256)
+  assert (t.steps, t.prompts_per_step, t.num_generations, cfg.sampling.max_new_tokens) == (3, 1, 8, 256)
   assert lora.rank == 32 and set(lora.targets) == {"q", "k", "v", "o", "gate", "up", "down"}
   assert cfg.model.param_dtype == "bfloat16" and not cfg.model.full_finetune
 

@@ -7,9 +7,10 @@ Qwen2, Qwen2.5 or Qwen3 dense model (e.g. Qwen2.5-0.5B-Instruct, Qwen3-0.6B); ma
 
 Prompts are the first MATH500 problems (`tests/assets/math500_head.jsonl`, six
 rows of the MIT-licensed MATH500 test file: unique_id, problem, answer),
-rendered with the model's chat template and the evaluation prompt. Transformers
-runs on torch CPU in float32 with eager attention. Measured figures are printed
-(`-s`) and recorded in docs/real-model.md.
+rendered with the model's chat template and the evaluation prompt; the RL smoke
+test trains on three easy level-1 MATH500 rows (`tests/assets/math500_easy.jsonl`, same
+fields). Transformers runs on torch CPU in float32 with eager attention. Measured
+figures are printed (`-s`) and recorded in docs/real-model.md.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ NUM_PROMPTS = 4
 GREEDY_TOKENS = 64
 LOGIT_ATOL = 1e-3
 SMOKE_CONFIG = ROOT / "configs" / "qwen2.5-0.5b-real-smoke.yaml"
+SMOKE_PROBLEMS = ROOT / "tests" / "assets" / "math500_easy.jsonl"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -117,6 +119,31 @@ def first_difference(a: list[int], b: list[int]) -> int:
   if a == b:
     return -1
   return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+               "down": "mlp.down_proj"}
+
+
+def hf_tensor(model_dir: str | Path, name: str):
+  """One float32 torch tensor of a Hugging Face directory (one file or an indexed set)."""
+  from safetensors import safe_open
+  model_dir = Path(model_dir)
+  index = model_dir / "model.safetensors.index.json"
+  file = (json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors")
+  with safe_open(str(model_dir / file), framework="pt") as f:
+    return f.get_tensor(name).float()
+
+
+def lora_deltas(base_dir: str | Path, merged_dir: str | Path, layer: int) -> dict[str, float]:
+  """max |W_merged - W_base| of each projection of one layer: the merged LoRA delta B A (the
+  export is float32, so a delta below the base's bf16 rounding still shows)."""
+  out = {}
+  for short, path in PROJECTIONS.items():
+    name = f"model.layers.{layer}.{path}.weight"
+    out[short] = float((hf_tensor(merged_dir, name) - hf_tensor(base_dir, name)).abs().max())
+  return out
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -203,16 +230,18 @@ def test_bfloat16_logit_error_and_greedy_agreement(setup, fp32_logits, fp32_mode
 
 def test_rl_smoke_config_three_steps_and_export(tmp_path):
   """configs/qwen2.5-0.5b-real-smoke.yaml through the training command (a subprocess on one
-  CPU device, as a user runs it, not the session's 8 fake devices): 3 EP-GRPO steps, finite
-  metrics, KL > 0 after the first update; the merged export loads in transformers with our
-  fp32 logits (<= 1e-3)."""
+  CPU device, as a user runs it, not the session's 8 fake devices): 3 EP-GRPO steps on easy
+  MATH500 problems (`SMOKE_PROBLEMS`, chosen so this checkpoint solves some samples and not
+  others), finite metrics; once a group's rewards differ, the update moves the policy (KL > 0
+  at every later step, the merged LoRA delta nonzero in every adapted layer); the merged
+  export loads in transformers with our fp32 logits (<= 1e-3)."""
   from epgrpo_jax.models import from_pretrained, load_tokenizer
 
   out = tmp_path / "run"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   subprocess.run([sys.executable, "-m", "epgrpo_jax.train", "--config", str(SMOKE_CONFIG),
                   f"model.path={REAL}", f"train.output_dir={out}",
-                  f"data.train_files=[{PROMPTS_FILE}]"], check=True, env=env, cwd=ROOT)
+                  f"data.train_files=[{SMOKE_PROBLEMS}]"], check=True, env=env, cwd=ROOT)
   summary = json.loads((out / "summary.json").read_text())
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in rows if "loss" in r]
@@ -222,12 +251,30 @@ def test_rl_smoke_config_three_steps_and_export(tmp_path):
            if isinstance(v, str) or (isinstance(v, float) and not np.isfinite(v))}
     assert not bad, f"step {r['step']}: non-finite metrics {bad}"
   print("\nRL smoke: " + "; ".join(
-      f"step {r['step']} reward {r['reward']:.2f} kl {r['kl']:.2e} loss {r['loss']:.3e} "
-      f"grad_norm {r['grad_norm']:.3f} step_time {r['step_time']:.0f}s" for r in steps))
-  assert all(r["kl"] > 0 for r in steps[1:]), "KL must be > 0 once the adapters have moved"
+      f"step {r['step']} reward {r['reward']:.2f} zero-variance groups {r['frac_reward_zero_std']:.2f} "
+      f"kl {r['kl']:.2e} loss {r['loss']:.3e} grad_norm {r['grad_norm']:.3f} "
+      f"step_time {r['step_time']:.0f}s" for r in steps))
   assert all(r["skipped_updates"] == 0 for r in steps)
 
+  # The precondition of the update checks: a group whose rewards differ has nonzero advantages.
+  # The first update that can move the policy is that step's; the KL is measured at the next.
+  varied = [r["step"] for r in steps[:-1] if r["frac_reward_zero_std"] < 1.0]
+  assert varied, (
+      "precondition failed: no group had reward variance before the last step (frac_reward_zero_std "
+      f"{[r['frac_reward_zero_std'] for r in steps]}, reward {[r['reward'] for r in steps]}), so "
+      "every advantage was 0 and no update could move the policy; the smoke problems are now too "
+      "hard or too easy for this checkpoint (see configs/qwen2.5-0.5b-real-smoke.yaml)")
+  moved = [r for r in steps if r["step"] > varied[0]]
+  assert steps[varied[0] - 1]["grad_norm"] > 0, "a group with reward variance gave a zero gradient"
+  assert all(r["kl"] > 0 for r in moved), (
+      f"KL must be > 0 after the update of step {varied[0]}: {[(r['step'], r['kl']) for r in moved]}")
+
   policy = Path(summary["policy_dir"])
+  delta = lora_deltas(REAL, policy, layer=0)
+  print("merged LoRA delta, layer 0, max |exported - base|: "
+        + ", ".join(f"{k} {v:.2e}" for k, v in delta.items()))
+  assert all(v > 0 for v in delta.values()), f"an adapted projection did not move: {delta}"
+
   prompts = chat_prompts(policy, 2)
   tok = load_tokenizer(policy)
   batch = left_padded(prompts, tok.pad_token_id if tok.pad_token_id is not None else 0)
