@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The accelerator figures on one H100/H200-class GPU (random weights, bf16), in about 21 minutes
-# (the time limits add up to 1,170 s plus start-up; --update-only: about 5).
+# (the time limits add up to 1,170 s plus start-up). A session's device call is limited to 10
+# minutes, so run it in parts (the limits of each: 0 270 s, 1-3 320-440 s, 4 320 s, 5 260 s):
 #
 #   bash benchmarks/gpu.sh [--peak-tflops 989] [--out FILE]   # 989: H100/H200 dense bf16
-#   bash benchmarks/gpu.sh --update-only [...]                 # part 0 only (about 5 minutes)
-#   bash benchmarks/gpu.sh --dry-run [--out FILE]              # the same programs, tiny, on CPU
+#   bash benchmarks/gpu.sh --parts 0 [...]                     # the update only (about 5 minutes)
+#   bash benchmarks/gpu.sh --parts 4,5 [...]                   # the rollouts only (about 10 minutes)
+#   bash benchmarks/gpu.sh --update-only [...]                 # the same as --parts 0
+#   bash benchmarks/gpu.sh --dry-run [--parts LIST] [--out FILE]   # the same programs, tiny, on CPU
 #
 # Run on an NVIDIA H200 on 2026-12-04 without part 0 (figures in docs/benchmarks.md section 6;
 # part 0 has not run on a GPU yet). Each part
@@ -22,8 +25,8 @@
 #   3. one layer's training attention, forward + backward: plain vs blockwise vs cuDNN, time and
 #      compiled temporaries (attention.py) at the 1.5B heads, 4 rows x 4,096 tokens;
 #   4. rollouts, static vs continuous batching at MATH lengths (rollout.py) at the Qwen2.5-0.5B
-#      shape (16 x 8, 64 slots) and the 3B shape (the paper's: 16 x 8, 2,048 new tokens), the
-#      decode steps' attention the Pallas kernel that reads each row's own slots
+#      shape (16 x 8, 64 slots; part 5: the same at the 3B shape, the paper's 16 x 8, 2,048 new
+#      tokens), the decode steps' attention the Pallas kernel that reads each row's own slots
 #      (kernels/gpu.py, model.attention auto); the 0.5B run once more with --attention plain
 #      (XLA's attention over every slot) for the kernel's share. The 0.5B and 3B runs with
 #      --profile: one more call of each side, completions cut to 32 tokens, traced with
@@ -44,18 +47,26 @@ ROOT="$PWD"
 PY="${PYTHON:-python}"
 PEAK=989
 DRY=0
-UPDATE_ONLY=0
+PARTS=""
 OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --update-only) UPDATE_ONLY=1 ;;
+    --update-only) PARTS=0 ;;
+    --parts) PARTS="$2"; shift ;;
     --peak-tflops) PEAK="$2"; shift ;;
     --out) OUT="$2"; shift ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
 done
+case ",$PARTS," in
+  ,,) ;;
+  *[!0-5,]*|*,,*) echo "--parts: a comma-separated list of parts 0-5, got '$PARTS'" >&2; exit 2 ;;
+esac
+part() {  # part N: whether --parts selects part N (all of them without --parts)
+  [ -z "$PARTS" ] || case ",$PARTS," in *",$1,"*) return 0 ;; *) return 1 ;; esac
+}
 if [ -z "$OUT" ]; then
   if [ "$DRY" = 1 ]; then OUT="benchmarks/results-dry-run-$(date +%Y%m%d-%H%M).txt"
   else OUT="benchmarks/results-gpu-$(date +%Y%m%d-%H%M).txt"; fi
@@ -94,37 +105,38 @@ run() {  # run SECONDS CMD...: one part, with its time limit
 }
 cd benchmarks
 if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's time budget
-  run 400 "$PY" update_gpu.py --preset test-tiny --dtype float32 --rows 2 --row-length 128 \
+  part 0 && run 400 "$PY" update_gpu.py --preset test-tiny --dtype float32 --rows 2 --row-length 128 \
       --prompt-len 8 --completion-len 24 --lora-rank 2 --steps 1 --attention blockwise \
       --peak-tflops "$PEAK"
   SAMPLER="--prompts 2 --samples 2 --prompt-len 8 --new-tokens 8 --runs 1 --dtype float32"
-  run 300 "$PY" sampler_vs_hf.py --preset bench-tiny $SAMPLER
-  run 300 "$PY" step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
+  part 1 && run 300 "$PY" sampler_vs_hf.py --preset bench-tiny $SAMPLER
+  part 2 && run 300 "$PY" step_vs_trl.py --preset bench-tiny --skip-trl --steps 1 --warmup 1 --prompts 2 \
       --samples 2 --prompt-len 8 --new-tokens 8 --lora-rank 2 --peak-tflops "$PEAK"
-  run 300 "$PY" attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
+  part 3 && run 300 "$PY" attention.py --preset test-tiny --rows 2 --tokens 64 --block 16 --dtype float32 \
       --runs 1
   ROLL="--preset bench-tiny --prompts 2 --samples 2 --new-tokens 32 --slots 2 --rounds 1"
-  run 300 "$PY" rollout.py $ROLL --profile --profile-tokens 16
-  run 300 "$PY" rollout.py $ROLL --attention plain
+  part 4 && run 300 "$PY" rollout.py $ROLL --profile --profile-tokens 16
+  part 4 && run 300 "$PY" rollout.py $ROLL --attention plain
 else
   UPDATE="--rows 8 --row-length 4096 --prompt-len 256 --completion-len 768 --steps 3 --peak-tflops $PEAK"
-  run 150 "$PY" update_gpu.py --preset qwen2.5-3b $UPDATE
-  run 120 "$PY" update_gpu.py --preset qwen2.5-1.5b $UPDATE
-  if [ "$UPDATE_ONLY" = 1 ]; then echo; echo "total $((SECONDS - START)) s; results written to $OUT"; exit 0; fi
+  part 0 && run 150 "$PY" update_gpu.py --preset qwen2.5-3b $UPDATE
+  part 0 && run 120 "$PY" update_gpu.py --preset qwen2.5-1.5b $UPDATE
   SAMPLER="--prompts 8 --samples 8 --prompt-len 64 --new-tokens 256 --runs 2 --dtype bfloat16"
-  run 100 "$PY" sampler_vs_hf.py --preset qwen2.5-0.5b $SAMPLER --peak-tflops "$PEAK"
+  part 1 && run 100 "$PY" sampler_vs_hf.py --preset qwen2.5-0.5b $SAMPLER --peak-tflops "$PEAK"
   STEP="--preset qwen2.5-0.5b --dtype bfloat16 --skip-trl --steps 3 --warmup 1 --prompts 8 \
       --samples 8 --prompt-len 64 --new-tokens 256 --peak-tflops $PEAK"
-  run 160 "$PY" step_vs_trl.py $STEP
-  rc=$?  # an error (not a time-out) with cuDNN attention: once more with the blockwise path
-  if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then run 120 "$PY" step_vs_trl.py $STEP --attention blockwise; fi
-  run 60 "$PY" attention.py --preset qwen2.5-1.5b --rows 4 --tokens 4096 --dtype bfloat16 \
+  if part 2; then
+    run 160 "$PY" step_vs_trl.py $STEP
+    rc=$?  # an error (not a time-out) with cuDNN attention: once more with the blockwise path
+    if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then run 120 "$PY" step_vs_trl.py $STEP --attention blockwise; fi
+  fi
+  part 3 && run 60 "$PY" attention.py --preset qwen2.5-1.5b --rows 4 --tokens 4096 --dtype bfloat16 \
       --runs 5
   ROLL="--preset qwen2.5-0.5b --dtype bfloat16 --prompts 16 --samples 8 --new-tokens 2048 --slots 64"
   ROLL="$ROLL --rounds 1"
-  run 170 "$PY" rollout.py $ROLL --profile
-  run 150 "$PY" rollout.py $ROLL --attention plain
-  run 260 "$PY" rollout.py --preset qwen2.5-3b --dtype bfloat16 --prompts 16 --samples 8 \
+  part 4 && run 170 "$PY" rollout.py $ROLL --profile
+  part 4 && run 150 "$PY" rollout.py $ROLL --attention plain
+  part 5 && run 260 "$PY" rollout.py --preset qwen2.5-3b --dtype bfloat16 --prompts 16 --samples 8 \
       --new-tokens 2048 --slots 64 --rounds 1 --profile
 fi
 echo; echo "total $((SECONDS - START)) s; results written to $OUT"

@@ -43,6 +43,24 @@ def test_gpu_script_dry_run(tmp_path):
     assert line and not re.search(r"(attention|projections) 0\.000 ms", line.group(0)), text[-4000:]
 
 
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                    reason="needs bash and coreutils timeout")
+def test_gpu_script_runs_only_the_parts_asked_for(tmp_path):
+  # A device call is limited to 10 minutes: --parts runs a subset (here the attention part alone).
+  out = tmp_path / "figures.txt"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PYTHON=sys.executable)
+  proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--parts", "3",
+                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  text = out.read_text()
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  ran = re.findall(r"^=== \S+ (\S+\.py)", text, flags=re.M)
+  assert ran == ["attention.py"], text[-3000:]
+  bad = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--parts", "3,7",
+                        "--out", str(tmp_path / "bad.txt")], cwd=ROOT, env=env, capture_output=True, text=True)
+  assert bad.returncode == 2 and "--parts" in bad.stderr and not (tmp_path / "bad.txt").exists()
+
+
 def test_scripts_start_the_interpreter_they_were_started_from():
   """No bare `python` in what tests and benchmarks launch: Python code passes sys.executable,
   shell scripts go through $PYTHON (whose default is the `python` on PATH)."""
