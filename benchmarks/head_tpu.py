@@ -15,7 +15,9 @@ accessed, HBM bytes per instruction, bytes all-gathered, estimated time, MFU):
   trainer runs it);
 - row blocks, head gathered: the head an argument already replicated on every chip;
 - row blocks, head constrained: the head split, gathered by a sharding constraint inside the
-  program (where the compiler places that gather).
+  program (where the compiler places that gather);
+- row blocks, head gathered once: the head split, gathered as the trainer's programs now do
+  (`parallel.sharding.gathered_once`: the constraint, an optimization barrier, the constraint).
 docs/distributed.md ("The head's chunks on a split batch") records the figures.
 """
 
@@ -30,12 +32,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from epgrpo_jax.core.token_stats import token_logprob_entropy
+from epgrpo_jax.parallel.sharding import gathered_once
 from epgrpo_jax.tools import tpu_costs
 
 
 def compiled_head(mesh: Mesh, shape: tuple[int, int, int, int], blocks: int, gathered: bool,
-                  constrained: bool = False):
-  """d hidden of sum(c * logp) + 0.01 sum(c * entropy), the rows split over the mesh."""
+                  constrained: str = ""):
+  """d hidden of sum(c * logp) + 0.01 sum(c * entropy), the rows split over the mesh; the head
+  gathered inside the program by `constrained` ("constraint", "once": `gathered_once`)."""
   b, t, d, v = shape
   rows = NamedSharding(mesh, PartitionSpec("fsdp"))
   head = NamedSharding(mesh, PartitionSpec(None if gathered else "fsdp", None))
@@ -45,8 +49,11 @@ def compiled_head(mesh: Mesh, shape: tuple[int, int, int, int], blocks: int, gat
           jax.ShapeDtypeStruct((b, t), jnp.float32, sharding=rows))
 
   def loss(h, w, y, c):
-    if constrained:  # gathered inside the program, as the trainer's `Kernels.constrain` would
-      w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec()))
+    whole = NamedSharding(mesh, PartitionSpec())
+    if constrained == "constraint":  # a sharding constraint alone (reverted from the trainer)
+      w = jax.lax.with_sharding_constraint(w, whole)
+    elif constrained == "once":  # the trainer's `Kernels.constrain(head, "head")`
+      w = gathered_once(w, whole)
     logp, entropy = token_logprob_entropy(h, w, y, row_blocks=blocks)
     return jnp.sum(c * logp) + 0.01 * jnp.sum(c * entropy)
 
@@ -69,9 +76,10 @@ def main() -> None:
   shape = (args.rows, args.tokens, args.hidden, args.vocab)
   print(f"{args.topology}: {len(devices)} chips; rows x tokens x hidden x vocab = {shape}")
   print(tpu_costs.HEADER)
-  variants = (("one block", 1, False, False), ("row blocks", len(devices), False, False),
-              ("row blocks, head gathered", len(devices), True, False),
-              ("row blocks, head constrained", len(devices), False, True))
+  variants = (("one block", 1, False, ""), ("row blocks", len(devices), False, ""),
+              ("row blocks, head gathered", len(devices), True, ""),
+              ("row blocks, head constrained", len(devices), False, "constraint"),
+              ("row blocks, head gathered once", len(devices), False, "once"))
   only = set(args.only.split(";")) if args.only else None
   for name, blocks, gathered, constrained in variants:
     if only and name not in only:

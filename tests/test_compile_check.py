@@ -263,6 +263,37 @@ def test_head_chunks_stay_within_each_devices_rows():
 
 
 @needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_the_head_is_gathered_outside_its_chunk_loops(monkeypatch):
+  """The trainer's gradient program (2 micro-batches in a scan, remat) with the head split
+  over fsdp = 4 chips along its hidden axis: the seam gathers the head once (`Kernels.constrain`,
+  "head", behind an optimization barrier), outside the chunked log-probs' loops, which run
+  inside the micro-batch scan: no all-gather with a vocabulary-sized axis sits two loops deep,
+  and the whole [32, 24576] head is gathered. Without the seam's gather, each (token chunk,
+  vocabulary chunk) pair gathers its [32, 8192] slab of the head inside those loops."""
+  from epgrpo_jax.models.flops import all_gathers
+  from epgrpo_jax.parallel import sharding
+  vocab = 3 * 8192  # three vocabulary chunks of the objective's 8,192: the head's loops run
+
+  def head_gathers():
+    args = compile_check.parse_args([
+        "--topology", "v5e:2x2", *TINY, "mesh.data=1", "mesh.fsdp=4", "train.fused_update=false",
+        "train.grad_accumulation=2", "model.remat=true", "model.dtype=bfloat16"])
+    check = compile_check.CompileCheck.create(args, tpu_costs.topology_devices("v5e:2x2"))
+    check = dataclasses.replace(check, model_cfg=check.model_cfg.replace(vocab_size=vocab))
+    m = dict(check.programs())["update gradients (k=2)"]()
+    return [g for g in all_gathers(m.hlo) if vocab in g.dims or 8192 in g.dims]
+
+  gathered = head_gathers()
+  assert any(g.dims == (32, vocab) for g in gathered), gathered
+  assert all(len(g.loops) <= 1 for g in gathered), gathered
+  constrain = sharding.activation_constraints
+  monkeypatch.setattr(sharding, "activation_constraints", lambda mesh: (
+      lambda x, kind="hidden", c=constrain(mesh): x if kind == "head" else c(x, kind)))
+  assert any(len(g.loops) == 2 and g.dims == (32, 8192) for g in head_gathers())
+
+
+@needs_libtpu
 def test_two_host_slice_compiles_from_the_command_line():
   done = _cli("--topology", "v5e:2x4", *TINY, "mesh.data=2", "mesh.fsdp=4", "train.packing=true",
               "--skip", "sampler")
@@ -325,6 +356,57 @@ def test_tpu_products_are_counted_by_their_real_multiply_adds():
   attention = 2 * 16 * 2 * 8 * 512 * 512 * 128
   assert hlo_counts(TPU_HLO, loops=False)["dot_flops"] == product + attention
   assert hlo_counts(TPU_HLO)["dot_flops"] == 7 * product + attention
+
+
+# An all-gather in the TPU compiler's asynchronous form, inside a loop of 3 trips: its start,
+# a continuation fusion that overlaps it with a product and its done each hold a copy of the
+# instruction (channel 5); a second all-gather (channel 6) outside the loop.
+TPU_GATHER_HLO = """\
+%start (p: bf16[256,1024]) -> (bf16[256,1024], bf16[2048,1024]) {
+  %p = bf16[256,1024]{1,0} parameter(0)
+  %all-gather.1 = bf16[2048,1024]{1,0} all-gather(%p), channel_id=5, dimensions={0}
+  ROOT %custom-call.1 = (bf16[256,1024]{1,0}, bf16[2048,1024]{1,0}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.2 (q: bf16[256,1024]) -> bf16[2048,1024] {
+  %q = bf16[256,1024]{1,0} parameter(0)
+  ROOT %all-gather.2 = bf16[2048,1024]{1,0} all-gather(%q), channel_id=5, dimensions={0}
+}
+
+%done (r: bf16[256,1024]) -> bf16[2048,1024] {
+  %r = bf16[256,1024]{1,0} parameter(0)
+  %all-gather.3 = bf16[2048,1024]{1,0} all-gather(%r), channel_id=5, dimensions={0}
+  ROOT %custom-call.3 = bf16[2048,1024]{1,0} custom-call(%r, %all-gather.3), custom_call_target="AsyncCollectiveDone"
+}
+
+%body (a: (s32[], bf16[256,1024])) -> (s32[], bf16[256,1024]) {
+  %a = (s32[]{:T(128)}, bf16[256,1024]{1,0}) parameter(0)
+  %s = (bf16[256,1024]{1,0}, bf16[2048,1024]{1,0}) fusion(%w), kind=kCustom, calls=%start
+  %c = bf16[2048,1024]{1,0} fusion(%w), kind=kCustom, calls=%async_collective_fusion.2
+  %d = bf16[2048,1024]{1,0} fusion(%w), kind=kCustom, calls=%done
+}
+
+%cond (c: (s32[], bf16[256,1024])) -> pred[] {
+  %c = (s32[]{:T(128)}, bf16[256,1024]{1,0}) parameter(0)
+  %constant.3 = s32[]{:T(128)} constant(3)
+  %i = s32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt.0 = pred[]{:T(512)} compare(%i, %constant.3), direction=LT
+}
+
+ENTRY %main (w: bf16[256,1024]) -> bf16[2048,1024] {
+  %all-gather.4 = f32[64,1024]{1,0} all-gather(%w), channel_id=6, dimensions={0}
+  %while = (s32[]{:T(128)}, bf16[256,1024]{1,0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_an_asynchronous_all_gather_counts_once_per_loop_trip():
+  from epgrpo_jax.models.flops import Gathered, all_gathers, hlo_counts
+  inside, outside = 2048 * 1024 * 2, 64 * 1024 * 4
+  assert sorted(all_gathers(TPU_GATHER_HLO), key=lambda g: g.loops) == [
+      Gathered((), (64, 1024), outside), Gathered((3,), (2048, 1024), inside)]
+  assert hlo_counts(TPU_GATHER_HLO)["all_gather_bytes"] == 3 * inside + outside
+  assert hlo_counts(TPU_GATHER_HLO, loops=False)["all_gather_bytes"] == inside + outside
 
 
 # A module in the TPU compiler's form: a fusion over a whole array; a loop of 4 trips whose

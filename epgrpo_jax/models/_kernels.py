@@ -151,7 +151,8 @@ class Kernels:
   tuples over a group sharing x), rather than adding the rank products.
   swiglu: silu(gate) * up of the gate/up product as one array [..., 2F].
   constrain(x, kind): sharding constraints on activations ("embedding": the table before the
-  lookup; "hidden": the hidden states after the lookup and after each block).
+  lookup; "hidden": the hidden states after the lookup and after each block; "head": the LM
+  head before the chunked log-probs, gathered once outside their loops).
   remat: a block's function whose backward pass recomputes its activations.
   write_slots, write_row_slots: cache writes (`write_slots`, `write_row_slots`).
   rank_barrier: applied to a rank-sized operand transposed for an adapter gradient.

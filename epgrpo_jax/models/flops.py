@@ -263,12 +263,58 @@ def _gathered_bytes(ins: str) -> float:
               for t, d in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", result)), default=0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+  """One all-gather of a compiled module: the trip counts of the while loops around it
+  (outermost first; () outside every loop), its result's dimensions and its bytes per device."""
+
+  loops: tuple[int, ...]
+  dims: tuple[int, ...]
+  bytes: float
+
+  @property
+  def total(self) -> float:
+    """Its bytes times every enclosing loop's trip count."""
+    return self.bytes * math.prod(self.loops)
+
+
+def all_gathers(hlo_text: str) -> list[Gathered]:
+  """The all-gathers of an optimized HLO module's text, each where it runs (the while loops
+  around it). The TPU compiler splits one all-gather into an asynchronous start, continuation
+  fusions that overlap it with other work and a done, each holding a copy of the instruction
+  with the same `channel_id`: counted once per loop context (the same channel in the same
+  loops). Without a channel id, each instruction counts."""
+  comps = _computations(hlo_text)
+  found: dict[tuple, Gathered] = {}
+
+  def walk(comp: str, loops: tuple[int, ...], context: tuple[str, ...], seen: frozenset):
+    for ins in comps.get(comp, []):
+      if re.search(r" all-gather(-start)?\(", ins):
+        channel = re.search(r"channel_id=([0-9]+)", ins)
+        name = ins.split(" =", 1)[0].removeprefix("ROOT ").lstrip("%")
+        key = (channel.group(1) if channel else name, context)
+        shape = ins.split(" all-gather", 1)[0]
+        dims = max((_dims(d) for _, d in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", shape)),
+                   key=math.prod, default=[])
+        found.setdefault(key, Gathered(loops, tuple(dims), _gathered_bytes(ins)))
+      loop = " while(" in ins
+      here = ins.split(" =", 1)[0].removeprefix("ROOT ").lstrip("%")
+      for callee in _CALLEES.findall(ins):
+        if callee not in seen:
+          walk(callee, loops + ((_trip_count(ins, comps),) if loop else ()),
+               context + ((here,) if loop else ()), seen | {callee})
+
+  walk("ENTRY", (), (), frozenset())
+  return list(found.values())
+
+
 def hlo_counts(hlo_text: str, loops: bool = True) -> dict[str, float]:
   """{"dot_flops", "exp", "all_gather_bytes"} of an optimized HLO module's text
   (`compiled.as_text()`): 2 x the multiply-adds of every dot (or convolution, as the TPU
   compiler writes dots), the elements of every exponential and the bytes every all-gather
-  writes (per device), each loop body counted its trip count times (XLA's `cost_analysis()`
-  counts a loop's body once), or once with `loops=False`."""
+  writes (per device; `all_gathers`: one split into asynchronous parts counted once), each
+  loop body counted its trip count times (XLA's `cost_analysis()` counts a loop's body once),
+  or once with `loops=False`."""
   comps = _computations(hlo_text)
   done: dict[str, np.ndarray] = {}
 
@@ -278,8 +324,8 @@ def hlo_counts(hlo_text: str, loops: bool = True) -> dict[str, float]:
     return done[comp]
 
   def body(comp: str) -> np.ndarray:
-    flops = exps = gathered = 0.0
-    inner = np.zeros(3)
+    flops = exps = 0.0
+    inner = np.zeros(2)
     for ins in comps.get(comp, []):
       out = _SHAPE.search(ins)
       if " dot(" in ins and out:
@@ -290,12 +336,11 @@ def hlo_counts(hlo_text: str, loops: bool = True) -> dict[str, float]:
         flops += _conv_flops(ins, comps[comp], hlo_text, _dims(out.group(1)))
       elif " exponential(" in ins and out:
         exps += math.prod(_dims(out.group(1)))
-      elif re.search(r" all-gather(-start)?\(", ins):
-        gathered += _gathered_bytes(ins)
       trips = _trip_count(ins, comps) if " while(" in ins and loops else 1
       for callee in _CALLEES.findall(ins):
         inner += trips * count(callee)
-    return inner + (flops, exps, gathered)
+    return inner + (flops, exps)
 
-  flops, exps, gathered = count("ENTRY")
+  flops, exps = count("ENTRY")
+  gathered = sum(g.total if loops else g.bytes for g in all_gathers(hlo_text))
   return {"dot_flops": float(flops), "exp": float(exps), "all_gather_bytes": float(gathered)}

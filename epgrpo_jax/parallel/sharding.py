@@ -155,14 +155,31 @@ def leading_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
   return NamedSharding(mesh, spec_for(("batch",), tuple(shape)[:1], mesh))
 
 
+def gathered_once(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """`x` laid out by `sharding` (a gather), fenced by an optimization barrier so that the
+  compiler keeps the gather where it stands: without the barrier the TPU compiler sank a
+  gathered LM head into the chunk loops that read it, gathering the whole head every chunk.
+  The constraint after the barrier pins the layout its readers see. Differentiable: the
+  cotangent goes back through the barrier and the constraints (to the argument's layout)."""
+  x = jax.lax.with_sharding_constraint(x, sharding)
+  x = jax.lax.optimization_barrier(x)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def activation_constraints(mesh: Mesh):
   """`(x, kind) -> x` for `models.Kernels.constrain`: hidden states [B, ...] split over
   data x fsdp; the embedding table gathered over fsdp before the lookup (as FSDP gathers
-  every weight before use; the vocabulary stays split over tensor)."""
+  every weight before use; the vocabulary stays split over tensor); the LM head [D, V]
+  gathered over fsdp once before the chunked log-probs loop over it (`gathered_once`; the
+  identity where fsdp does not split it)."""
   def constrain(x, kind: str = "hidden"):
     if kind == "embedding":
       return jax.lax.with_sharding_constraint(
           x, NamedSharding(mesh, spec_for(("vocab", None), x.shape, mesh)))
+    if kind == "head":
+      if mesh.shape["fsdp"] == 1:
+        return x
+      return gathered_once(x, NamedSharding(mesh, spec_for((None, "vocab"), x.shape, mesh)))
     if x.ndim == 0:
       return x
     return jax.lax.with_sharding_constraint(x, leading_sharding(mesh, x.shape))

@@ -43,7 +43,7 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
     hidden_RxLxD, _ = model(p.tokens, p.positions, p.segments > 0, adapters=adapters,
                             segments_BxT=p.segments, kernels=kernels,
                             rope_table=rope_table(model.cfg, p.tokens.shape[1]))
-    per_slot = token_stats.token_logprob_entropy(hidden_RxLxD, model.head_DxV(), p.targets, **kw)
+    per_slot = token_stats.token_logprob_entropy(hidden_RxLxD, _head(model, kernels), p.targets, **kw)
     mask_BxN = rollout.completion_mask
     return tuple(jnp.where(mask_BxN, x_RxL.reshape(-1)[p.index], 0.0) for x_RxL in per_slot)
   tp = rollout.prompt_ids.shape[1]
@@ -53,7 +53,14 @@ def completion_logprobs(model: CausalLM, rollout: CompletionBatch, *, temperatur
   hidden_BxLxD, _ = model(tokens_BxL, positions_BxL, mask_BxL, adapters=adapters, kernels=kernels,
                           rope_table=rope_table(model.cfg, tokens_BxL.shape[1]))
   hidden_BxNxD = hidden_BxLxD[:, tp - 1:]
-  return token_stats.token_logprob_entropy(hidden_BxNxD, model.head_DxV(), rollout.completion, **kw)
+  return token_stats.token_logprob_entropy(hidden_BxNxD, _head(model, kernels), rollout.completion,
+                                           **kw)
+
+
+def _head(model: CausalLM, kernels: Kernels) -> jax.Array:
+  """The LM head [D, V] as the chunked log-probs read it: laid out once for their loops by the
+  program's constraint (`Kernels.constrain`, "head": gathered over fsdp on a sharded mesh)."""
+  return kernels.constrain(model.head_DxV(), "head")
 
 
 def reference_logprobs(graphdef, trainable: nnx.State, frozen: nnx.State,
