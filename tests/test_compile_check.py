@@ -265,8 +265,8 @@ def test_head_chunks_stay_within_each_devices_rows():
 @needs_libtpu
 @pytest.mark.usefixtures("no_compilation_cache")
 def test_the_head_is_gathered_outside_its_chunk_loops(monkeypatch):
-  """The trainer's gradient program (2 micro-batches in a scan, remat) with the head split
-  over fsdp = 4 chips along its hidden axis: the seam gathers the head once (`Kernels.constrain`,
+  """The trainer's gradient program (one layer, 2 micro-batches in a scan, remat) with the head
+  split over fsdp = 4 chips along its hidden axis: the seam gathers it once (`Kernels.constrain`,
   "head", behind an optimization barrier), outside the chunked log-probs' loops, which run
   inside the micro-batch scan: no all-gather with a vocabulary-sized axis sits two loops deep,
   and the whole [32, 24576] head is gathered. Without the seam's gather, each (token chunk,
@@ -277,7 +277,8 @@ def test_the_head_is_gathered_outside_its_chunk_loops(monkeypatch):
 
   def head_gathers():
     args = compile_check.parse_args([
-        "--topology", "v5e:2x2", *TINY, "mesh.data=1", "mesh.fsdp=4", "train.fused_update=false",
+        "--topology", "v5e:2x2", *TINY, "--num-layers", "1", "mesh.data=1", "mesh.fsdp=4",
+        "train.fused_update=false",
         "train.grad_accumulation=2", "model.remat=true", "model.dtype=bfloat16"])
     check = compile_check.CompileCheck.create(args, tpu_costs.topology_devices("v5e:2x2"))
     check = dataclasses.replace(check, model_cfg=check.model_cfg.replace(vocab_size=vocab))
@@ -398,6 +399,38 @@ ENTRY %main (w: bf16[256,1024]) -> bf16[2048,1024] {
   %while = (s32[]{:T(128)}, bf16[256,1024]{1,0}) while(%t), condition=%cond, body=%body
 }
 """
+
+
+# A windowed product as the TPU compiler unrolls it: the body holds two steps and adds 2 to its
+# counter, which runs from 0 while below 8: 4 trips of a [64, 32] x [32, 128] product.
+TPU_STEP_HLO = """\
+%body (a: (u32[], f32[64,128])) -> (u32[], f32[64,128]) {
+  %a = (u32[]{:T(128)}, f32[64,128]{1,0}) parameter(0)
+  %i = u32[]{:T(128)} get-tuple-element(%a), index=0
+  %x = f32[64,32]{1,0} parameter(1)
+  %w = f32[32,128]{1,0} parameter(2)
+  %dot.1 = f32[64,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %two = u32[]{:T(128)} constant(2)
+  %next = u32[]{:T(128)} add(%i, %two)
+  ROOT %tuple.1 = (u32[]{:T(128)}, f32[64,128]{1,0}) tuple(%next, /*index=1*/%dot.1)
+}
+
+%cond (c: (u32[], f32[64,128])) -> pred[] {
+  %c = (u32[]{:T(128)}, f32[64,128]{1,0}) parameter(0)
+  %bound = u32[]{:T(128)} constant(8)
+  %j = u32[]{:T(128)} get-tuple-element(%c), index=0
+  ROOT %lt.0 = pred[]{:T(512)} compare(%j, %bound), direction=LT
+}
+
+ENTRY %main (t: (u32[], f32[64,128])) -> (u32[], f32[64,128]) {
+  %while = (u32[]{:T(128)}, f32[64,128]{1,0}) while(%t), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_counter_stepping_by_two_runs_half_the_bound():
+  from epgrpo_jax.models.flops import hlo_counts
+  assert hlo_counts(TPU_STEP_HLO)["dot_flops"] == 4 * 2 * 64 * 32 * 128
 
 
 def test_an_asynchronous_all_gather_counts_once_per_loop_trip():

@@ -233,10 +233,44 @@ def _conv_flops(ins: str, lines: list[str], hlo_text: str, out: list[int]) -> fl
   return flops
 
 
+def _defining(lines: list[str], name: str) -> str | None:
+  """The instruction of `lines` that defines `name`, else None."""
+  return next((c for c in lines if c.startswith(f"%{name} =") or c.startswith(f"{name} =")
+               or c.startswith(f"ROOT %{name} =")), None)
+
+
+def _constant(lines: list[str], name: str) -> int | None:
+  found = re.search(r"constant\((-?[0-9]+)\)", _defining(lines, name) or "")
+  return int(found.group(1)) if found else None
+
+
+def _counter_step(ins: str, comps: dict[str, list[str]], index: int) -> int:
+  """How much a loop's body adds to tuple element `index` (its counter) each trip: the
+  constant of a root element `add(counter, constant)` (the TPU compiler's windowed products
+  step by 2), else 1."""
+  body = comps.get(re.search(r"body=%?([\w.\-]+)", ins).group(1), [])
+  root = next((c for c in body if c.startswith("ROOT") and " tuple(" in c), None)
+  if root is None:
+    return 1
+  parts = [p.strip().lstrip("%") for p in
+           re.sub(r"/\*[^*]*\*/", "", root.split(" tuple(", 1)[1].rsplit(")", 1)[0]).split(",")]
+  update = _defining(body, parts[index]) if index < len(parts) else None
+  operands = re.search(r" add\(%?([\w.\-]+), %?([\w.\-]+)\)", update or "")
+  if not operands:
+    return 1
+  for a, b in (operands.groups(), operands.groups()[::-1]):
+    counter = re.search(rf"get-tuple-element\(.*index={index}\b", _defining(body, a) or "")
+    step = _constant(body, b)
+    if counter and step and step > 0:
+      return step
+  return 1
+
+
 def _trip_count(ins: str, comps: dict[str, list[str]]) -> int:
   """A while loop's trip count: XLA's `known_trip_count` where the compiler wrote it (CPU,
   GPU), else read from its condition `counter < constant` (the TPU compiler's text; the
-  counter of jax's loops starts at 0). 1 when neither is there."""
+  counter of jax's loops starts at 0) and the step the body adds to the counter
+  (`_counter_step`). 1 when neither is there."""
   known = re.search(r'known_trip_count":\{"n":"([0-9]+)"', ins)
   if known:
     return int(known.group(1))
@@ -245,10 +279,13 @@ def _trip_count(ins: str, comps: dict[str, list[str]]) -> int:
               None)
   if root is None:
     return 1
-  bound = re.search(r"compare\(%?[\w.\-]+, %?([\w.\-]+)\)", root).group(1)
-  value = next((re.search(r"constant\((-?[0-9]+)\)", c) for c in cond
-                if c.startswith(f"%{bound} =") or c.startswith(f"{bound} =")), None)
-  return max(int(value.group(1)), 1) if value else 1
+  counter, bound = re.search(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\)", root).groups()
+  value = _constant(cond, bound)
+  if value is None:
+    return 1
+  element = re.search(r"get-tuple-element\(.*index=([0-9]+)", _defining(cond, counter) or "")
+  step = _counter_step(ins, comps, int(element.group(1))) if element else 1
+  return max(-(-value // step), 1)
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
