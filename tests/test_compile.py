@@ -34,6 +34,6 @@ def test_second_and_third_steps_compile_nothing(task, tmp_path):
         state, metrics, _ = trainer.step(state)
         jax.block_until_ready(state.trainable)
       assert (later.traces, later.compiles) == (0, 0), metrics["completions/mean_length"]
-    assert trainer.sampler.num_compilations == 1
+    assert trainer.sampler.num_compilations == 2  # the weights prepared, then the sampling program
   finally:
     trainer.close()

@@ -128,9 +128,9 @@ def decode_loops(sampler, model, kernels: bool = False):
   graphdef, state = nnx.split(model)
   ids, mask = sampler.prepare_prompts(PROMPTS)
   p, g, n = len(PROMPTS), 2, 16
-  fn = functools.partial(sampler._generate, graphdef, num_samples=g, gen_len=n,
+  fn = functools.partial(sampler._generate, num_samples=g, gen_len=n,
                          prompt_len=ids.shape[1], native=kernels)
-  jaxpr = jax.make_jaxpr(fn)(state, ids, mask, jax.random.key(0), jnp.full((p * g,), n, jnp.int32),
+  jaxpr = jax.make_jaxpr(fn)(sampler.prepared(graphdef, state), ids, mask, jax.random.key(0), jnp.full((p * g,), n, jnp.int32),
                              jnp.asarray(EOS, jnp.int32))
   return [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
 

@@ -6,8 +6,9 @@ from epgrpo_jax.models._kernels import (XLA, Kernels, concatenated, ordered_rema
                                        through_bits, write_row_slots, write_slots, xla_matmul,
                                        xla_rounded_product, xla_swiglu)
 from epgrpo_jax.models._dense import Dense
-from epgrpo_jax.models._lora import (BASE, LORA, LoRA, adapters_are_zero, low_rank, lora_layers, merge_adapters,
-                                    plain_kernels, rank_transposed_matmul, saved_adapters, unmerge_adapters)
+from epgrpo_jax.models._lora import (BASE, LORA, LoRA, adapters_are_zero, dense, low_rank, lora_layers,
+                                    merge_adapters, plain_kernels, rank_transposed_matmul, saved_adapters,
+                                    unmerge_adapters)
 from epgrpo_jax.models._decoder import attend
 from epgrpo_jax.models._rope import rope, rope_cos_sin, rope_table
 from epgrpo_jax.models.interface import Cache, CausalLM

@@ -182,14 +182,14 @@ def fused_product(layers: "list[Projection]", x, adapters: bool, kernels: Kernel
   if len(layers) == 1 or not folds and any(
       isinstance(layer, LoRA) and not (layer.merged and adapters) for layer in layers):
     return None
-  weights = tuple(base.kernel[...].astype(dtype) for base in bases)
+  weights = lambda: tuple(base.kernel[...].astype(dtype) for base in bases)  # unread with a product
   if product:
     y = product(x)
   elif folds and adapters:
     a, b = zip(*(tuple(v[...].astype(dtype) for v in layer.factors()) for layer in layers))
-    y = kernels.merged_lora(x, weights, a, b, layers[0].scale)
+    y = kernels.merged_lora(x, weights(), a, b, layers[0].scale)
   else:
-    y = kernels.matmul(x, concatenated(weights))
+    y = kernels.matmul(x, concatenated(weights()))
   if any(base.bias is not None for base in bases):
     y = y + jnp.concatenate([
         base.bias[...].astype(dtype) if base.bias is not None

@@ -41,8 +41,8 @@ from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import XLA, Kernels, as_dtype, init_cache, rope_table
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put
-from epgrpo_jax.rollout.decode import (SampleOutput, bucket, chooser, left_pad, prepared_model,
-                                       request_keys, stops, token_keys, weights_of)
+from epgrpo_jax.rollout.decode import (DecodeWeights, SampleOutput, bucket, chooser, left_pad, prepared_model,
+                                       request_keys, stops, token_keys)
 
 NamedSharding = jax.sharding.NamedSharding
 
@@ -148,12 +148,12 @@ def decode_step(model, logits_of, rope, slots: Slots, eos_E, choose: Callable, p
   return slots, (tokens_S, jnp.where(live_S, logp_S, zero), jnp.where(live_S, entropy_S, zero), live_S)
 
 
-def run_block(graphdef, state, weights, store, first_logits_PxV, prompt_len_P, slots: Slots, fill_S, prompt_S,
+def run_block(weights: DecodeWeights, store, first_logits_PxV, prompt_len_P, slots: Slots, fill_S, prompt_S,
               keys_S, cap_S, eos_E, *, cfg, native: bool, k: int, capacity: int, pad_id: int, mesh=None):
-  """The compiled block: insert the newcomers, then k decode steps (`lax.scan`, no host test)."""
+  """The compiled block: insert the newcomers, then k decode steps (`lax.scan`, no host test),
+  over the weights prepared once a call (`Sampler.prepared`)."""
   choose = chooser(cfg, native)
-  with prepared_model(graphdef, state, cfg, native and cfg.packed_weights, prepare=cfg.packed_weights,
-                      weights=weights, mesh=mesh,
+  with prepared_model(weights, native and cfg.packed_weights, mesh=mesh,
                       decode_rows=(1, 0) if native else None) as (model, logits_of, kernels):
     rope = rope_table(model.cfg, capacity)
     slots, first = insert(slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
@@ -205,13 +205,13 @@ class Batch:
   caps_R: np.ndarray
 
 
-def prefill_into(graphdef, state, ids_PxTp, mask_PxTp, offset, store=None, *, cfg, native: bool,
+def prefill_into(weights: DecodeWeights, ids_PxTp, mask_PxTp, offset, store=None, *, cfg, native: bool,
                  cache_dtype, rows: int, mesh=None):
   """The program that prefills P prompts into rows [offset, offset + P) of the prompt store
   (its caches, and the logits after each prompt's last token), a store of `rows` prompts
-  (zeros when `store` is None; replicated on a mesh): (store, logits [rows, V])."""
-  with prepared_model(graphdef, state, cfg, native and cfg.packed_weights, prepare=False,
-                      mesh=mesh) as (model, logits_of, kernels):
+  (zeros when `store` is None; replicated on a mesh): (store, logits [rows, V]). Over the
+  weights prepared once a call (`Sampler.prepared`), as the blocks."""
+  with prepared_model(weights, native and cfg.packed_weights, mesh=mesh) as (model, logits_of, kernels):
     cache_P, logits_PxV = prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype, kernels)
   if store is None:
     store = (jax.tree.map(lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype) if x.ndim else x, cache_P),
@@ -242,7 +242,7 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
   native = sampler.uses_cpu_kernels()
   cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
   place = jnp.asarray if mesh is None else functools.partial(put, sharding=sharding.replicated(mesh))
-  load_fn = functools.partial(prefill_into, graphdef, cfg=cfg, native=native, cache_dtype=cache_dtype,
+  load_fn = functools.partial(prefill_into, cfg=cfg, native=native, cache_dtype=cache_dtype,
                               rows=p * batches, mesh=mesh)
   r_count = p * batches * g  # room for every request of the batches
   ids_QxTp = np.full((p * batches, tp), pad, np.int32)
@@ -259,18 +259,16 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
     ids_QxTp[rows], mask_QxTp[rows] = batch.ids_PxTp, batch.mask_PxTp
     key_data_R[requests] = np.asarray(jax.random.key_data(batch.keys_R))
     caps_R[requests] = batch.caps_R
-    args = (state, place(batch.ids_PxTp), place(batch.mask_PxTp), place(np.int32(b * p)))
+    args = (weights, place(batch.ids_PxTp), place(batch.mask_PxTp), place(np.int32(b * p)))
     if store is not None:
       args += (store,)
     tag = f"prefill prompts={p} into={p * batches} prompt_len={tp}" + (" more" if store is not None else "")
     store = sampler.compiled(graphdef, tag, load_fn, args, donate=(4,) if store is not None else ())(*args)
 
+  weights = sampler.prepared(graphdef, state)
   load(0, first)
-  block_fn = functools.partial(run_block, graphdef, cfg=cfg, native=native, k=k, capacity=capacity,
+  block_fn = functools.partial(run_block, cfg=cfg, native=native, k=k, capacity=capacity,
                                pad_id=pad, mesh=mesh)
-  prepare = functools.partial(weights_of, graphdef, cfg=cfg, packed=native and cfg.packed_weights,
-                              mesh=mesh)
-  weights = sampler.compiled(graphdef, "prepare weights", prepare, (state,))(state)
   slots = empty_slots(nnx.merge(graphdef, state).cfg, s, capacity, cache_dtype, first.keys_R)
   if mesh is not None:
     slots = jax.device_put(slots, slot_shardings(slots, mesh))
@@ -307,10 +305,10 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
     if all(o < 0 for o in owner):
       break
     keys_S = jax.random.wrap_key_data(place(key_data_R[key_idx]), impl=keys_impl)
-    args = (state, weights, store[0], store[1], place(mask_QxTp.sum(axis=1, dtype=np.int32)), slots,
+    args = (weights, store[0], store[1], place(mask_QxTp.sum(axis=1, dtype=np.int32)), slots,
             place(fill), place(prompt_s), keys_S, place(cap_s), eos_E)
     tag = f"block slots={rows} tokens={k} prompts={p * batches} prompt_len={tp} capacity={capacity}"
-    program = sampler.compiled(graphdef, tag, block_fn, args, donate=(5,))  # the slots
+    program = sampler.compiled(graphdef, tag, block_fn, args, donate=(4,))  # the slots
     slots, block = program(*args)
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))

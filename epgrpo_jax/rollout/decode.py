@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,9 @@ from flax import nnx, struct
 from jax import lax
 
 from epgrpo_jax.kernels import seam
-from epgrpo_jax.models import CausalLM, Kernels, as_dtype, concatenated, merge_adapters, plain_kernels
+from epgrpo_jax.models import (CausalLM, Kernels, as_dtype, concatenated, dense, merge_adapters, param_rules,
+                               plain_kernels)
+from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rollout.strategies import largest_threshold, sample_step
 
 
@@ -104,37 +106,30 @@ def _group_weights(model: CausalLM) -> list[list[jax.Array] | None]:
   return [None if ws is None else [w.astype(dtype) for w in ws] for ws in groups]
 
 
-def prepared_weights(model: CausalLM, packing) -> dict:
-  """The weights the decode steps multiply by, made once: each projection group's kernels
-  concatenated (q/k/v, gate/up) in the compute dtype, or packed by `packing`
-  (`Kernels.packing`) where it takes them; the head packed where it takes it (else None)."""
-  def prepare(weights):
-    if weights is None:
-      return None
-    return packing.pack(weights) if packing and packing.can_pack(weights) else \
-        concatenated(weights)
-  head_DxV = model.head_DxV()
-  return {"groups": [prepare(w) for w in _group_weights(model)],
-          "head": packing.pack([head_DxV]) if packing and packing.can_pack([head_DxV]) else None}
+@struct.dataclass
+class DecodeWeights:
+  """What a sampling call's programs multiply by, made once per call (`weights_of`) and passed
+  to them ready: `state`, the model's parameters (adapters merged under `merge_lora`) less the
+  kernels of the prepared groups; `groups`, each projection group's kernels prepared
+  (q/k/v and gate/up concatenated in the compute dtype, or packed for the backend's products),
+  None for a group the model multiplies itself; `head`, the head packed where the packing
+  takes it (else None: the model's own). Static: the merged model's `graphdef`, the prepared
+  kernels' paths and shapes (`absent`: stand-ins that nothing reads), each group's form
+  (`packed`) and the path of its first kernel (`paths`, for its sharding rule). The programs
+  that take them never see the kernels as they were: one copy of the weights."""
 
+  state: Any
+  groups: list
+  head: Any
+  graphdef: Any = struct.field(pytree_node=False)
+  absent: tuple = struct.field(pytree_node=False)
+  packed: tuple = struct.field(pytree_node=False)
+  paths: tuple = struct.field(pytree_node=False)
 
-def products(model: CausalLM, weights: dict, kernels: Kernels) -> tuple[tuple, Callable]:
-  """(`Kernels.products`, hidden [B, D] -> float32 logits) over `prepared_weights` (packed by
-  `kernels.packing` where it took them), so the loop body multiplies by ready weights instead
-  of preparing them at every step."""
-  packing = kernels.packing
-  table = []
-  for kernels_i, ready in zip(_group_weights(model), weights["groups"]):
-    if ready is None:
-      table.append(None)
-      continue
-    multiply = packing.matmul if packing and packing.can_pack(kernels_i) else \
-        (lambda x, packed: kernels.matmul(x, packed))
-    table.append(functools.partial(multiply, packed=ready))
-  if weights["head"] is not None:
-    return tuple(table), functools.partial(packing.logits, packed=weights["head"])
-  return tuple(table), functools.partial(jnp.dot, b=model.head_DxV(),
-                                         preferred_element_type=jnp.float32)
+  def model(self) -> CausalLM:
+    """The merged model over `state`; a prepared kernel is a shape only (reading it fails)."""
+    stand_ins = nnx.from_flat_state([(path, kind(shape)) for path, kind, shape in self.absent])
+    return nnx.merge(self.graphdef, self.state, stand_ins)
 
 
 def _merged(graphdef, state, cfg) -> CausalLM:
@@ -143,30 +138,78 @@ def _merged(graphdef, state, cfg) -> CausalLM:
   return merge_adapters(model) if cfg.merge_lora else model
 
 
-def weights_of(graphdef, state, cfg, packed: bool, mesh=None) -> dict:
-  """`prepared_weights` of the model as `prepared_model` sees it (a program of its own, so that
-  several programs share the weights prepared once)."""
+def weights_of(graphdef, state, cfg, packed: bool, prepare: bool = True, mesh=None) -> DecodeWeights:
+  """The `DecodeWeights` of the model (adapters merged when `cfg.merge_lora`): with `prepare`,
+  each group's kernels concatenated in the compute dtype, or packed by the seam's
+  `Kernels.packing` for `mesh` (with `packed`, where the packing takes them); without, none
+  (no second copy: the model multiplies its own kernels). The head packed where the packing
+  takes it."""
   model = _merged(graphdef, state, cfg)
-  return prepared_weights(model, seam.choose(model.cfg, mesh, packed=packed).packing)
+  packing = seam.choose(model.cfg, mesh, packed=packed).packing
+  layer_groups = model.linear_groups()
+  groups = _group_weights(model) if prepare else [None] * len(layer_groups)
+  can_pack = tuple(bool(ws is not None and packing and packing.can_pack(ws)) for ws in groups)
+  ready = [None if ws is None else packing.pack(ws) if pack else concatenated(ws)
+           for ws, pack in zip(groups, can_pack)]
+  module_paths = {id(node): path for path, node in nnx.iter_graph(model)}
+  firsts = [None if ws is None else module_paths[id(dense(group[0]))] + ("kernel",)
+            for ws, group in zip(groups, layer_groups)]
+  kernels = {id(dense(layer).kernel) for ws, group in zip(groups, layer_groups) if ws is not None
+             for layer in group}
+  merged_graphdef, prepared, rest = nnx.split(model, lambda _, v: id(v) in kernels, ...)
+  absent = tuple((path, type(v), jax.ShapeDtypeStruct(v.shape, v.dtype))
+                 for path, v in nnx.to_flat_state(prepared))
+  head_DxV = model.head_DxV()
+  head = packing.pack([head_DxV]) if packing and packing.can_pack([head_DxV]) else None
+  return DecodeWeights(rest, ready, head, merged_graphdef, absent, can_pack, tuple(firsts))
+
+
+def laid_out(weights: DecodeWeights, mesh) -> DecodeWeights:
+  """`weights` constrained onto `mesh` (inside a program) by the model family's parameter
+  rules (`sharding.state_shardings`; a prepared group as its first kernel), whatever mesh the
+  model's state came on: a sampler on a mesh of its own gets its weights laid out once,
+  prepared, instead of a copy as they were."""
+  if mesh is None:
+    return weights
+  rules = param_rules(weights.model().cfg)
+  groups = [None if x is None else lax.with_sharding_constraint(
+      x, sharding.param_sharding(sharding.path_str(path), x.shape, mesh, rules))
+            for x, path in zip(weights.groups, weights.paths)]
+  state = lax.with_sharding_constraint(weights.state, sharding.state_shardings(weights.state, mesh, rules))
+  return weights.replace(state=state, groups=groups)
+
+
+def products(model: CausalLM, weights: DecodeWeights, kernels: Kernels) -> tuple[tuple, Callable]:
+  """(`Kernels.products`, hidden [B, D] -> float32 logits) over `weights` (packed by
+  `kernels.packing` where they were), so the loop body multiplies by ready weights instead
+  of preparing them at every step."""
+  packing = kernels.packing
+  table = []
+  for ready, pack in zip(weights.groups, weights.packed):
+    if ready is None:
+      table.append(None)
+      continue
+    multiply = packing.matmul if pack else (lambda x, packed: kernels.matmul(x, packed))
+    table.append(functools.partial(multiply, packed=ready))
+  if weights.head is not None:
+    return tuple(table), functools.partial(packing.logits, packed=weights.head)
+  return tuple(table), functools.partial(jnp.dot, b=model.head_DxV(),
+                                         preferred_element_type=jnp.float32)
 
 
 @contextlib.contextmanager
-def prepared_model(graphdef, state, cfg, packed: bool, prepare: bool = True, weights: dict | None = None,
-                   *, mesh=None, decode_rows: tuple[int, int] | None = None):
-  """Yields (model, logits_of, kernels): the model (adapters merged when `cfg.merge_lora`);
+def prepared_model(weights: DecodeWeights, packed: bool, *, mesh=None,
+                   decode_rows: tuple[int, int] | None = None):
+  """Yields (model, logits_of, kernels) over `weights` (`weights_of`): the merged model;
   hidden [B, D] -> float32 logits; and the program's `Kernels` (`seam.choose` for the mesh,
-  with the C++ decode attention given `decode_rows`), whose `products` multiply the
-  projections by weights prepared once (`prepared_weights`, here or given as `weights`; with
-  `packed`, packed by the seam's `Kernels.packing` where the backend has one). `prepare`
-  false keeps the model's own products (no second copy of the weights; the head is still
-  packed)."""
-  model = _merged(graphdef, state, cfg)
+  with the C++ decode attention given `decode_rows`; with `packed`, the packing's products),
+  whose `products` multiply the projections by the prepared groups."""
+  model = weights.model()
   kernels = seam.choose(model.cfg, mesh, decode_rows=decode_rows, packed=packed)
-  if weights is None:
-    weights = prepared_weights(model, kernels.packing)
   table, logits_of = products(model, weights, kernels)
-  yield model, scoped("lm_head", logits_of), (dataclasses.replace(kernels, products=table) if prepare
-                                               else kernels)
+  if any(ready is not None for ready in weights.groups):
+    kernels = dataclasses.replace(kernels, products=table)
+  yield model, scoped("lm_head", logits_of), kernels
 
 
 def chooser(cfg, native: bool) -> Callable:

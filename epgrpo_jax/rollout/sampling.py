@@ -18,7 +18,6 @@ slots instead (`rollout.continuous`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -30,14 +29,15 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import CausalLM, Kernels, as_dtype, init_cache, rope_table
 from epgrpo_jax.kernels import seam
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
 from epgrpo_jax.rollout import continuous
-from epgrpo_jax.rollout.decode import (SampleOutput, block, bucket, chooser, in_blocks, left_pad,
-                                       prepared_model, request_keys, round_up, stops, token_keys)
+from epgrpo_jax.rollout.sampling_config import SamplingConfig, segment_ends
+from epgrpo_jax.rollout.decode import (DecodeWeights, SampleOutput, block, bucket, chooser, in_blocks, laid_out,
+                                       left_pad, prepared_model, request_keys, round_up, stops, token_keys,
+                                       weights_of)
 
 __all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends", "shared_programs"]
 
@@ -58,105 +58,6 @@ def shared_programs():
     yield
   finally:
     _SHARED_PROGRAMS = previous
-
-
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-  return tuple(2 ** i for i in range(lo.bit_length() - 1, hi.bit_length()))
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """How to pick tokens and how to bucket shapes.
-
-  temperature 0 or `greedy` picks the argmax; `top_k` 0 and `top_p` 1.0 are
-  off. Prompt lengths round up to the next of `prompt_buckets` and
-  `max_new_tokens` to the next of `length_buckets` (beyond the largest: a
-  multiple of it). `cache_dtype` None uses the model's compute dtype. The
-  decode loop runs in up to `decode_segments` segments whose caches grow, so
-  early steps attend over fewer slots (each segment is one more loop body to
-  compile). `ignore_eos` never stops at a stop token: every completion gets
-  exactly `max_new_tokens` (benchmarks). `merge_lora` folds LoRA adapters into
-  the kernels once per call instead of applying them at every decode step
-  (the same policy up to rounding in the compute dtype). `cpu_kernels` runs
-  the decode steps' attention (float32 or bfloat16 cache) and the top-k / top-p
-  thresholds (with top-k off, the whole draw) in C++ kernels on a single CPU
-  device, and, with `packed_weights`, the projections and head as C++ products
-  over weights packed once per call: a bfloat16 model's on AMX tiles, a float32
-  model's on AVX-512, where the CPU has them (built on first use; XLA where they
-  cannot be built, on accelerators, and over a mesh of several devices). The
-  packed weights are a second copy for the duration of a call;
-  `packed_weights=false` saves that memory (and also keeps the q/k/v and gate/up
-  concatenations, made once per call otherwise, inside the loop).
-
-  The decode loop tests "all done" once per `stop_check_every` tokens. With
-  `continuous` the requests (prompt, sample) run through `slots` rows:
-  `refill_every` tokens decode in one program, then finished slots take the
-  next requests; `slot_tokens` (0: the longest prompt's bucket + max_new_tokens)
-  is each slot's cache capacity, fixed so calls do not recompile.
-  """
-
-  temperature: float = 1.0
-  top_k: int = 0
-  top_p: float = 1.0
-  greedy: bool = False
-  max_new_tokens: int = 256
-  prompt_buckets: tuple[int, ...] = _powers_of_two(32, 8192)
-  length_buckets: tuple[int, ...] = _powers_of_two(16, 8192)
-  cache_dtype: str | None = None
-  decode_segments: int = 2
-  ignore_eos: bool = False
-  merge_lora: bool = True
-  cpu_kernels: bool = True
-  packed_weights: bool = True
-  stop_check_every: int = 8
-  continuous: bool = False
-  slots: int = 32
-  refill_every: int = 8
-  slot_tokens: int = 0
-
-  def __post_init__(self):
-    if not self.temperature >= 0:  # also rejects NaN
-      raise UserError(f"sampling.temperature: must be >= 0, got {self.temperature}")
-    if self.top_k < 0:
-      raise UserError(f"sampling.top_k: must be >= 0 (0 = off), got {self.top_k}")
-    if not 0 < self.top_p <= 1:
-      raise UserError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
-    if self.max_new_tokens < 1:
-      raise UserError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-    for name in ("prompt_buckets", "length_buckets"):
-      buckets = tuple(getattr(self, name))
-      object.__setattr__(self, name, buckets)
-      if not buckets or any(int(b) != b or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-        raise UserError(f"sampling.{name}: must be increasing positive integers, got {buckets}")
-    if self.decode_segments < 1:
-      raise UserError(f"sampling.decode_segments: must be >= 1, got {self.decode_segments}")
-    for name in ("stop_check_every", "slots", "refill_every"):
-      if getattr(self, name) < 1:
-        raise UserError(f"sampling.{name}: must be >= 1, got {getattr(self, name)}")
-    if self.slot_tokens < 0:
-      raise UserError(f"sampling.slot_tokens: must be >= 0 (0 = sized to the requests), "
-                      f"got {self.slot_tokens}")
-    if self.cache_dtype is not None:
-      try:
-        as_dtype(self.cache_dtype)
-      except ValueError as e:
-        raise UserError(f"sampling.cache_dtype: {e}") from None
-
-  @property
-  def is_greedy(self) -> bool:
-    return self.greedy or self.temperature == 0
-
-  def replace(self, **kw) -> "SamplingConfig":
-    return dataclasses.replace(self, **kw)
-
-
-def segment_ends(n: int, segments: int, multiple: int = 8) -> list[int]:
-  """Ends of the decode segments over N steps: equal, multiples of `multiple` (and of 8), at
-  least 8 long."""
-  segments = max(1, min(segments, n // 8))
-  unit = np.lcm(8, multiple)
-  size = round_up(round_up(n, segments) // segments, unit)
-  return sorted({min(n, size * (i + 1)) for i in range(segments)})
 
 
 # ---------------------------------------------------------------------------
@@ -245,12 +146,13 @@ class Sampler:
       return continuous.generate(self, graphdef, state, ids_PxTp, mask_PxTp, num_samples,
                                  request_keys(key, p, num_samples), max_new, eos, stop_after)
     native = self.uses_cpu_kernels()
+    weights = self.prepared(graphdef, state)
     caps_B = np.full(p * num_samples, max_new, np.int32)
     if stop_after is not None:
       caps_B = np.minimum(caps_B, np.asarray(stop_after, np.int32).reshape(-1))
     caps_B = caps_B if self.mesh is None else put(caps_B, sharding.replicated(self.mesh))
-    args = (state, ids, mask, key, jnp.asarray(caps_B), eos)
-    fn = functools.partial(self._generate, graphdef, part="sample", num_samples=num_samples,
+    args = (weights, ids, mask, key, jnp.asarray(caps_B), eos)
+    fn = functools.partial(self._generate, part="sample", num_samples=num_samples,
                            gen_len=n, prompt_len=tp, native=native)
     program = self.compiled(graphdef, f"prompts={p} prompt_len={tp} gen_len={n} samples={num_samples}",
                             fn, args)
@@ -259,6 +161,19 @@ class Sampler:
       out = out.replace(tokens=out.tokens[..., :max_new], mask=out.mask[..., :max_new],
                         logp=out.logp[..., :max_new], entropy=out.entropy[..., :max_new])
     return out
+
+  def prepared(self, graphdef, state) -> DecodeWeights:
+    """The call's weights prepared once, in a program of their own (`decode.weights_of`, laid
+    out on the sampler's mesh by `decode.laid_out`): the programs that decode take them
+    ready, never the weights as they were."""
+    return self.compiled(graphdef, "prepare weights", self._prepare_fn(graphdef), (state,))(state)
+
+  def _prepare_fn(self, graphdef) -> Callable:
+    """state -> the sampler's `DecodeWeights` (with the C++ kernels, packed for them)."""
+    cfg = self.config
+    return lambda state: laid_out(weights_of(
+        graphdef, state, cfg, self.uses_cpu_kernels() and cfg.packed_weights, prepare=cfg.packed_weights,
+        mesh=self.mesh), self.mesh)
 
   def stop_ids(self, eos_ids: Sequence[int] | None = None) -> jax.Array:
     """The stop ids [E] a call tests (`eos_ids`, else the sampler's; none with `ignore_eos`)."""
@@ -304,13 +219,16 @@ class Sampler:
     `jax.ShapeDtypeStruct`s with shardings: `tools/compile_check.py` compiles for a TPU
     topology from a CPU host), uncached and uncounted.
 
-    `part` "sample": the whole program `sample` runs, args (state, ids [P, Tp], mask, key,
-    caps [B], eos ids); its parts alone, for their costs: "prefill", the same args, returning
-    (loop state, keys [B]); "block", one block of `config.stop_check_every` decode steps (the
-    decode loop's body, no stop test inside), args (state, loop state, keys [B], caps [B], eos
-    ids, rope table). `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU
+    `part` "prepare": the weights prepared once a call (`prepared`), args (state,), returning
+    `DecodeWeights`; "sample": the whole program `sample` runs after it, args (weights, ids [P,
+    Tp], mask, key, caps [B], eos ids); its parts alone, for their costs: "prefill", the same
+    args, returning (loop state, keys [B]); "block", one block of `config.stop_check_every`
+    decode steps (the decode loop's body, no stop test inside), args (weights, loop state,
+    keys [B], caps [B], eos ids, rope table). `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU
     kernels) follow the mesh's devices."""
-    fn = functools.partial(self._generate, graphdef, part=part, num_samples=num_samples,
+    if part == "prepare":
+      return self._lower(self._prepare_fn(graphdef), args)
+    fn = functools.partial(self._generate, part=part, num_samples=num_samples,
                            gen_len=gen_len, prompt_len=prompt_len, native=self.uses_cpu_kernels())
     return self._lower(fn, args)
 
@@ -326,15 +244,14 @@ class Sampler:
       return cache
     return lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, self.mesh))
 
-  def _generate(self, graphdef, state, *args, native: bool, num_samples: int, gen_len: int,
+  def _generate(self, weights: DecodeWeights, *args, native: bool, num_samples: int, gen_len: int,
                 prompt_len: int, part: str = "sample"):
-    """`part` (`compile`) of the model's decode, `_decode`, `_prefill` or `_block`, its weights
-    prepared once here, outside the decode loop (`decode.prepared_model`; with `native`, packed
+    """`part` (`compile`) of the model's decode, `_decode`, `_prefill` or `_block`, over the
+    weights prepared once a call (`prepared`; `decode.prepared_model`: with `native`, packed
     for the CPU's products, and the decode attention in C++: a prompt's `prompt_len` slots
     read once for its `num_samples` rows, which hold identical copies of them)."""
     cfg = self.config
-    with prepared_model(graphdef, state, cfg, native and cfg.packed_weights,
-                        prepare=cfg.packed_weights, mesh=self.mesh,
+    with prepared_model(weights, native and cfg.packed_weights, mesh=self.mesh,
                         decode_rows=(num_samples, prompt_len) if native else None
                         ) as (model, logits_of, kernels):
       choose = chooser(cfg, native)

@@ -3,8 +3,9 @@
 Compiles the programs of one RL step for a TPU slice with the real TPU compiler, on any host
 (libtpu, the `tpu` extra), with abstract weights: no checkpoint, no TPU. The mesh is the
 config's `mesh.*` over the slice's devices; the programs are the trainer's own (the sampler's
-prefill and a decode block of `sampling.stop_check_every` steps, scoring, the advantage, the update, fused or separate, packed and
-micro-batched as configured). For each it prints the per-device memory against the chip's
+weights prepared once a call, its prefill and a decode block of `sampling.stop_check_every`
+steps, or with `sampling.continuous` the engine's prefill and block; scoring, the advantage, the
+update, fused or separate, packed and micro-batched as configured). For each it prints the per-device memory against the chip's
 HBM, the FLOPs, the bytes accessed, the compiler's estimated time (`optimal_seconds`) and the
 MFU and HBM bandwidth use that implies; then the estimated time of the step.
 
@@ -45,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   p.add_argument("--prompt-tokens", type=int, default=256, help="real tokens per prompt (256)")
   p.add_argument("--completion-tokens", type=int, default=0,
                  help="tokens per completion (0: sampling.max_new_tokens)")
-  p.add_argument("--skip", default="", help="comma-separated programs not to compile: sampler, "
-                 "prefill, decode, score, advantage, update")
+  p.add_argument("--skip", default="", help="comma-separated programs not to compile: prepare, "
+                 "sampler, prefill, decode, continuous, score, advantage, update")
   p.add_argument("--hlo-dir", type=path_flag, help="write each compiled program's optimised HLO "
                  "text here (PROGRAM.hlo)")
   p.add_argument("--debug", action="store_true", help="tracebacks and debug logs")
@@ -206,16 +207,9 @@ class CompileCheck:
     from epgrpo_jax.tools.tpu_costs import measure
     p, t = self.parts, self.cfg.train
     ch = self.chip
-    yield "sampler (whole)", lambda: measure(
-        "sampler (whole)", p.sampler_program("sample"), ch, runs=0,
-        note="memory of the whole program; its cost counts each decode loop body once")
-    yield "prefill", lambda: measure("prefill", p.sampler_program("prefill"), ch)
-    k = p.block_steps
-    for j, (slots, blocks) in enumerate(p.decode_segments()):
-      yield f"decode block {j}", functools.partial(
-          lambda j, slots, blocks: measure(f"decode block {j} ({slots} slots, {k} steps)",
-                                           p.decode_block_program(slots), ch, runs=blocks,
-                                           note=f"x {blocks} blocks of {k} steps"), j, slots, blocks)
+    yield "prepare weights", lambda: measure("prepare weights", p.weights_program(), ch,
+                                             note="once a sampling call")
+    yield from self.sampler_programs()
     updates = t.num_iterations * t.mini_batches
     if p.fused:
       for name, compiled in p.fused_programs():
@@ -230,6 +224,31 @@ class CompileCheck:
           lambda n, c: measure(f"update {n}", c(), ch, runs=updates,
                                note=f"x {updates} updates" if updates > 1 else ""), name, compiled)
 
+  def sampler_programs(self):
+    """(name, () -> Measured) of the sampler's programs after the weights': the static
+    sampler's (whole, prefill, a decode block per cache segment), or with `sampling.continuous`
+    the engine's (its prompts' prefill and a block over all its slots)."""
+    from epgrpo_jax.tools.tpu_costs import measure
+    p, ch, s = self.parts, self.chip, self.cfg.sampling
+    if s.continuous:
+      yield "continuous prefill", lambda: measure("continuous prefill", p.slot_prefill_program(), ch)
+      blocks = p.slot_blocks()
+      name = f"continuous block ({s.slots} slots, {s.refill_every} steps)"
+      yield "continuous block", lambda: measure(
+          name, p.slot_block_program(), ch, runs=blocks,
+          note=f"x {blocks} blocks: {p.rows} requests of {self.completion_tokens} tokens")
+      return
+    yield "sampler (whole)", lambda: measure(
+        "sampler (whole)", p.sampler_program("sample"), ch, runs=0,
+        note="memory of the whole program; its cost counts each decode loop body once")
+    yield "prefill", lambda: measure("prefill", p.sampler_program("prefill"), ch)
+    k = p.block_steps
+    for j, (slots, blocks) in enumerate(p.decode_segments()):
+      yield f"decode block {j}", functools.partial(
+          lambda j, slots, blocks: measure(f"decode block {j} ({slots} slots, {k} steps)",
+                                           p.decode_block_program(slots), ch, runs=blocks,
+                                           note=f"x {blocks} blocks of {k} steps"), j, slots, blocks)
+
   def summary(self, measured) -> str:
     """The step's estimated time (sum of runs x estimated seconds), the largest per-device
     memory, and each decode block's time per token (its time / `sampling.stop_check_every`
@@ -243,9 +262,10 @@ class CompileCheck:
              f"{'fits' if peak <= self.chip.hbm_bytes else 'DOES NOT FIT'}"]
     lines += self.update_mfu(measured)
     read = self.sampler_weights_bytes / self.chip.hbm_bandwidth
-    k = self.parts.block_steps
     for m in measured:
-      if m.name.startswith("decode block"):
+      k = {"decode": self.parts.block_steps, "continuous": self.cfg.sampling.refill_every}.get(
+          m.name.split()[0])
+      if k and m.name.split()[1] == "block":
         token = m.seconds / k
         lines.append(f"{m.name}: {m.seconds * 1e3:.3f} ms a block / {k} steps = {token * 1e3:.3f} ms "
                      f"a token = {token / read:.2f} x the read of its weights ({read * 1e3:.3f} ms)")

@@ -15,6 +15,7 @@ from flax import nnx
 
 from epgrpo_jax.models import abstract_model, as_dtype, init_cache, param_rules, rope_table
 from epgrpo_jax.parallel import sharding
+from epgrpo_jax.rollout import continuous
 from epgrpo_jax.rollout.sampling import Sampler, bucket, round_up, segment_ends
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch
@@ -195,13 +196,33 @@ class StepParts:
 
   @functools.cached_property
   def sampler_state(self):
-    """The policy's weights where the sampler reads them: on the training mesh as they are, or
-    laid out on the sampler's mesh (`sharding.state_shardings`)."""
+    """The policy's weights as they would be laid out on the sampler's mesh
+    (`sharding.state_shardings`; on the training mesh, as they are): the read a decode step
+    is set against."""
     state = nnx.merge_state(self.frozen, self.trainable)
     if self.sampler_mesh is self.mesh:
       return state
     rules = param_rules(self.model_cfg)
     return abstract(state, sharding.state_shardings(state, self.sampler_mesh, rules))
+
+  @functools.cached_property
+  def _weights_program(self):
+    return self.sampler.compile(self.policy.graphdef, (nnx.merge_state(self.frozen, self.trainable),),
+                                num_samples=self.cfg.train.num_generations, gen_len=self.gen_len,
+                                prompt_len=self.prompt_slots, part="prepare")
+
+  def weights_program(self):
+    """The sampler's weights prepared once a sampling call (`Sampler.prepared`), compiled: from
+    the policy's weights on the training mesh, laid out on the sampler's mesh, so that no copy
+    of them as they were is made for the sampler."""
+    return self._weights_program
+
+  @property
+  def sampler_weights(self):
+    """The prepared weights (`decode.DecodeWeights`), abstract, where the prepare program puts
+    them: what the sampler's other programs take."""
+    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                        self._weights_program.out_info)
 
   def _sampler_args(self, part: str):
     t = self.cfg.train
@@ -214,7 +235,7 @@ class StepParts:
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
     eos = jax.ShapeDtypeStruct((len(self.sampler.eos_ids) or 1,), jnp.int32, sharding=rep)
     caps = jax.ShapeDtypeStruct((p * t.num_generations,), jnp.int32, sharding=rep)
-    return (self.sampler_state, ids, mask, key, caps, eos)
+    return (self.sampler_weights, ids, mask, key, caps, eos)
 
   def sampler_program(self, part: str):
     """The sampler's whole program ("sample") or its prefill ("prefill"), compiled."""
@@ -256,7 +277,63 @@ class StepParts:
     n = round_up(self.gen_len, self.block_steps)
     rope = jax.eval_shape(lambda: rope_table(self.model_cfg, self.prompt_slots + n))
     *_, caps, eos = self._sampler_args("prefill")
-    args = (self.sampler_state, loop, keys, caps, eos, abstract(rope, (rep, rep)))
+    args = (self.sampler_weights, loop, keys, caps, eos, abstract(rope, (rep, rep)))
     return self.sampler.compile(self.policy.graphdef, args,
                                 num_samples=self.cfg.train.num_generations, gen_len=self.gen_len,
                                 prompt_len=self.prompt_slots, part="block")
+
+  # -- the continuous engine (`sampling.continuous`) ----------------------------------------
+
+  def _continuous(self, fn):
+    s = self.cfg.sampling
+    return functools.partial(fn, cfg=s, native=self.sampler.uses_cpu_kernels(), mesh=self.sampler_mesh)
+
+  @functools.cached_property
+  def _slot_prefill(self):
+    t, s = self.cfg.train, self.cfg.sampling
+    p, rep = t.prompts_per_step, sharding.replicated(self.sampler_mesh)
+    cache_dtype = as_dtype(s.cache_dtype) if s.cache_dtype else None
+    fn = self._continuous(functools.partial(continuous.prefill_into, cache_dtype=cache_dtype, rows=p))
+    ids = jax.ShapeDtypeStruct((p, self.prompt_slots), jnp.int32, sharding=rep)
+    mask = jax.ShapeDtypeStruct((p, self.prompt_slots), jnp.bool_, sharding=rep)
+    offset = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    return jax.jit(fn).lower(self.sampler_weights, ids, mask, offset).compile()
+
+  def slot_prefill_program(self):
+    """The continuous engine's prefill of a batch of P prompts into its prompt store (one
+    batch: no dynamic refill), over the prepared weights, compiled."""
+    return self._slot_prefill
+
+  @property
+  def slot_capacity(self) -> int:
+    return continuous.slot_capacity(self.cfg.sampling, self.prompt_slots, self.cfg.sampling.max_new_tokens)
+
+  def slot_blocks(self) -> int:
+    """Blocks the engine runs for P x G requests of `completion_tokens` each through
+    `sampling.slots` slots (every slot busy, no tail): a request's first token comes with its
+    insertion, the rest `refill_every` a block."""
+    s = self.cfg.sampling
+    waves = -(-self.rows // s.slots)
+    return waves * -(-max(1, self.completion_tokens - 1) // s.refill_every)
+
+  def slot_block_program(self):
+    """One block of the continuous engine over all `sampling.slots` slots (insertion of the
+    newcomers, then `refill_every` decode steps), compiled."""
+    s = self.cfg.sampling
+    rep = sharding.replicated(self.sampler_mesh)
+    store, logits = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                                 self._slot_prefill.out_info)
+    cache_dtype = as_dtype(s.cache_dtype) if s.cache_dtype else None
+    keys_R = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), self.rows))
+    slots = jax.eval_shape(lambda k: continuous.empty_slots(self.model_cfg, s.slots, self.slot_capacity,
+                                                              cache_dtype, k), keys_R)
+    slots = abstract(slots, continuous.slot_shardings(slots, self.sampler_mesh))
+    per_slot = lambda dtype: jax.ShapeDtypeStruct((s.slots,), dtype, sharding=rep)
+    keys_S = jax.ShapeDtypeStruct((s.slots,), keys_R.dtype, sharding=rep)
+    prompt_len_P = jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32, sharding=rep)
+    eos = self._sampler_args("prefill")[-1]
+    fn = self._continuous(functools.partial(continuous.run_block, k=s.refill_every,
+                                            capacity=self.slot_capacity, pad_id=0))
+    args = (self.sampler_weights, store, logits, prompt_len_P, slots, per_slot(jnp.bool_),
+            per_slot(jnp.int32), keys_S, per_slot(jnp.int32), eos)
+    return jax.jit(fn, donate_argnums=(4,)).lower(*args).compile()  # the slots, as the engine
