@@ -154,7 +154,7 @@ def test_tiny_step_compiles_for_v5e_2x2_without_foreign_custom_calls(mesh_device
   args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY, *overrides])
   check = compile_check.CompileCheck.create(args, devices)
   measured = _programs(check)
-  expected = {"sampler (whole)", "prefill", "decode block 0", "decode block 1"}
+  expected = {"prepare weights", "sampler (whole)", "prefill", "decode block 0", "decode block 1"}
   expected |= ({"update fused"} if mesh_devices == 4 else
                {"score", "advantage", "update gradients (k=2)", "update optimizer step"})
   assert set(measured) == expected
@@ -173,6 +173,36 @@ def test_tiny_step_compiles_for_v5e_2x2_without_foreign_custom_calls(mesh_device
     assert check.sampler_weights_bytes == whole > check.weights_bytes, check.describe()
     for name in ("decode block 0", "decode block 1"):
       assert measured[name].gathered == 0 and "all-gather" not in measured[name].hlo
+
+
+@needs_libtpu
+@pytest.mark.usefixtures("no_compilation_cache")
+def test_continuous_engine_programs_compile_over_the_prepared_weights():
+  """With `sampling.continuous` the sampler's programs are the engine's: the weights prepared
+  once a call from the FSDP training mesh onto the sampler's own (replicated: all-gathered
+  there, once), then its prompts' prefill and a block over its 8 slots, which gather nothing
+  and take the prepared weights only (no second copy: their arguments are the weights, the
+  slots' caches and small state)."""
+  devices = tpu_costs.topology_devices("v5e:2x2")
+  args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "mesh.data=1", "mesh.fsdp=4",
+                                   "--sampler-mesh", "data=4", "sampling.continuous=true",
+                                   "sampling.slots=8"])
+  check = compile_check.CompileCheck.create(args, devices)
+  measured = {name: build() for name, build in check.programs()
+              if name.split()[0] in ("prepare", "continuous", "prefill", "decode", "sampler")}
+  assert set(measured) == {"prepare weights", "continuous prefill", "continuous block"}
+  for name, m in measured.items():
+    assert "FOREIGN" not in m.note and m.seconds > 0 and m.total <= m.chip.hbm_bytes, (name, m)
+  assert measured["prepare weights"].gathered > 0
+  for name in ("continuous prefill", "continuous block"):
+    assert measured[name].gathered == 0 and "all-gather" not in measured[name].hlo, name
+  # 16 requests of 16 tokens through 8 slots: 2 waves of 2 blocks of 8 steps
+  assert measured["continuous block"].runs == 4
+  weights = tpu_costs.per_device_bytes(check.parts.sampler_weights)
+  slots_cache = 8 * check.parts.slot_capacity * 2 * 2 * 2 * 8 * 4  # k, v x 2 layers x 2 heads x 8 dims, f32
+  assert weights < measured["continuous block"].argument < weights + 2 * slots_cache
+  summary = check.summary(list(measured.values()))
+  assert "continuous block (8 slots, 8 steps):" in summary and "a token" in summary
 
 
 @needs_libtpu

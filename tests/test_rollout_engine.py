@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 from epgrpo_jax.io.errors import UserError
-from epgrpo_jax.models import Qwen2, preset
+from epgrpo_jax.models import LoraConfig, Qwen2, preset
 from epgrpo_jax.rollout import strategies
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 
@@ -157,6 +157,34 @@ def test_weights_are_prepared_outside_the_decode_loop(model):
   # the model does concatenate q/k/v and gate/up when its weights are not prepared
   loops = decode_loops(Sampler(SamplingConfig(greedy=True, max_new_tokens=16, packed_weights=False)), model)
   assert any(e.primitive.name == "concatenate" for e in eqns(loops[0].params["body_jaxpr"].jaxpr))
+
+
+def test_the_decoding_programs_take_the_weights_prepared_once():
+  # A LoRA model: the weights' own program merges the adapters and concatenates q/k/v and
+  # gate/up once a call; the sampling program takes them ready and holds no kernel as it was.
+  cfg = preset("test-tiny")
+  lora = Qwen2(cfg, lora=LoraConfig(rank=3, targets=("q", "k", "v", "o", "gate", "up", "down")),
+               rngs=nnx.Rngs(0))
+  sampler = Sampler(SamplingConfig(greedy=True, max_new_tokens=16, cpu_kernels=False))
+  graphdef, state = nnx.split(lora)
+  weights = sampler.prepared(graphdef, state)
+  d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+  assert [w.shape for w in weights.groups] == [(d, qkv), (cfg.num_heads * hd, d), (d, 2 * f), (f, d)] * 2
+  assert not [p for p, _ in nnx.to_flat_state(weights.state) if p[-1] == "kernel"]
+  assert len(weights.absent) == 7 * cfg.num_layers  # stand-ins for the kernels, shapes only
+  with pytest.raises(TypeError):
+    weights.model().layers[0].attn.q.base.kernel[...]
+  ids, mask = sampler.prepare_prompts(PROMPTS)
+  fn = functools.partial(sampler._generate, num_samples=2, gen_len=16, prompt_len=ids.shape[1],
+                         native=False)
+  jaxpr = jax.make_jaxpr(fn)(weights, ids, mask, jax.random.key(0), jnp.full((8,), 16, jnp.int32),
+                             jnp.asarray(EOS, jnp.int32))
+  everywhere = list(eqns(jaxpr.jaxpr))
+  assert not [e for e in everywhere if e.primitive.name == "concatenate"  # of a kernel [d, n]
+              and any(getattr(v.aval, "shape", ())[:1] == (d,) and v.aval.ndim == 2 for v in e.invars)]
+  assert not [e for e in everywhere if e.primitive.name == "dot_general"  # no adapter [d, 3] or [3, n]
+              and any(getattr(v.aval, "ndim", 0) == 2 and 3 in v.aval.shape for v in e.invars)]
 
 
 def sample(model, cfg, key=1, stop_after=None, **kw):

@@ -391,6 +391,24 @@ def test_sharded_sampling_matches_single_device(model, greedy_sampler, caplog):
   np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-5)
 
 
+def test_weights_on_another_mesh_are_prepared_there_and_moved(model, greedy_sampler):
+  # The policy's weights split over fsdp (a training mesh); the sampler's own mesh replicates
+  # them: they are prepared where they lie, then moved, and sample as on one device.
+  from epgrpo_jax.parallel import sharding
+  training = sharding.make_mesh(sharding.MeshConfig(data=1, fsdp=8))
+  own = sharding.make_mesh(sharding.MeshConfig(data=8))
+  graphdef, state = nnx.split(model)
+  state = jax.device_put(state, sharding.state_shardings(state, training, param_rules(model.cfg)))
+  sampler = Sampler(greedy_sampler.config, eos_ids=(-5,), mesh=own)
+  weights = sampler.prepared(graphdef, state)
+  assert {x.sharding.mesh for x in jax.tree.leaves(weights)} == {own}
+  assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(weights))
+  got = sampler.sample((graphdef, state), PROMPTS, 2, jax.random.key(0))
+  want = greedy_sampler.sample(model, PROMPTS, 2, jax.random.key(0), eos_ids=(-5,))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  np.testing.assert_allclose(np.asarray(got.logp), np.asarray(want.logp), atol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # The C++ decode-attention kernel (CPU).
 

@@ -105,13 +105,13 @@ def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S
   """Slots marked `fill_S` take a new request: prompt `prompt_S`'s cache (a scatter of its Tp
   slots; the rest of the row marked invalid), its key and cap, and its first token. Returns
   the slots and that token's (tokens, logp, entropy, live) column."""
-  s = fill_S.shape[0]
   tp = store["valid"].shape[1]
-  rows_S = jnp.where(fill_S, jnp.arange(s), s)  # s: dropped
   cache = dict(slots.cache)
-  cache["k"] = [c.at[rows_S, :, :, :tp].set(new[prompt_S].astype(c.dtype), mode="drop")
+  fill_Sx1x1x1 = fill_S[:, None, None, None]
+  # Row by row (a select, not a scatter over rows): slots split over a mesh stay where they are.
+  cache["k"] = [c.at[:, :, :, :tp].set(jnp.where(fill_Sx1x1x1, new[prompt_S].astype(c.dtype), c[:, :, :, :tp]))
                 for c, new in zip(cache["k"], store["k"])]
-  cache["v"] = [c.at[rows_S, :, :tp].set(new[prompt_S].astype(c.dtype), mode="drop")
+  cache["v"] = [c.at[:, :, :tp].set(jnp.where(fill_Sx1x1x1, new[prompt_S].astype(c.dtype), c[:, :, :tp]))
                 for c, new in zip(cache["v"], store["v"])]
   valid_SxC = jnp.zeros_like(cache["valid"]).at[:, :tp].set(store["valid"][prompt_S])
   cache["valid"] = jnp.where(fill_S[:, None], valid_SxC, cache["valid"])

@@ -164,19 +164,26 @@ def weights_of(graphdef, state, cfg, packed: bool, prepare: bool = True, mesh=No
   return DecodeWeights(rest, ready, head, merged_graphdef, absent, can_pack, tuple(firsts))
 
 
-def laid_out(weights: DecodeWeights, mesh) -> DecodeWeights:
-  """`weights` constrained onto `mesh` (inside a program) by the model family's parameter
-  rules (`sharding.state_shardings`; a prepared group as its first kernel), whatever mesh the
-  model's state came on: a sampler on a mesh of its own gets its weights laid out once,
-  prepared, instead of a copy as they were."""
-  if mesh is None:
-    return weights
+def mesh_of(tree):
+  """The mesh the first leaf of `tree` (arrays or shape structs) is laid out on, else None."""
+  placed = getattr(jax.tree.leaves(tree)[0], "sharding", None)
+  return placed.mesh if isinstance(placed, jax.sharding.NamedSharding) else None
+
+
+def placements(weights: DecodeWeights, mesh) -> DecodeWeights:
+  """Where `weights` (arrays or shape structs) lie on `mesh`: by the model family's parameter
+  rules (`sharding.state_shardings`), a prepared group as its first kernel."""
   rules = param_rules(weights.model().cfg)
-  groups = [None if x is None else lax.with_sharding_constraint(
-      x, sharding.param_sharding(sharding.path_str(path), x.shape, mesh, rules))
+  groups = [None if x is None else sharding.param_sharding(sharding.path_str(path), x.shape, mesh, rules)
             for x, path in zip(weights.groups, weights.paths)]
-  state = lax.with_sharding_constraint(weights.state, sharding.state_shardings(weights.state, mesh, rules))
-  return weights.replace(state=state, groups=groups)
+  head = None if weights.head is None else sharding.replicated(mesh)
+  return weights.replace(state=sharding.state_shardings(weights.state, mesh, rules), groups=groups, head=head)
+
+
+def laid_out(weights: DecodeWeights, mesh) -> DecodeWeights:
+  """`weights` constrained to their `placements` on `mesh` inside a program (as they are
+  without one)."""
+  return weights if mesh is None else lax.with_sharding_constraint(weights, placements(weights, mesh))
 
 
 def products(model: CausalLM, weights: DecodeWeights, kernels: Kernels) -> tuple[tuple, Callable]:

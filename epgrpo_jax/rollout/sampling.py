@@ -36,8 +36,8 @@ from epgrpo_jax.parallel.distributed import put  # global arrays, also across pr
 from epgrpo_jax.rollout import continuous
 from epgrpo_jax.rollout.sampling_config import SamplingConfig, segment_ends
 from epgrpo_jax.rollout.decode import (DecodeWeights, SampleOutput, block, bucket, chooser, in_blocks, laid_out,
-                                       left_pad, prepared_model, request_keys, round_up, stops, token_keys,
-                                       weights_of)
+                                       left_pad, mesh_of, placements, prepared_model, request_keys, round_up,
+                                       stops, token_keys, weights_of)
 
 __all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends", "shared_programs"]
 
@@ -164,16 +164,26 @@ class Sampler:
 
   def prepared(self, graphdef, state) -> DecodeWeights:
     """The call's weights prepared once, in a program of their own (`decode.weights_of`, laid
-    out on the sampler's mesh by `decode.laid_out`): the programs that decode take them
-    ready, never the weights as they were."""
-    return self.compiled(graphdef, "prepare weights", self._prepare_fn(graphdef), (state,))(state)
+    out by `decode.laid_out`): the programs that decode take them ready, never the weights as
+    they were. Weights on another mesh than the sampler's are prepared where they lie (each
+    device its shard) and then moved onto the sampler's leaf by leaf: a program that moved them
+    all at once would hold a second whole copy in its temporaries (on TPU)."""
+    source = mesh_of(state)
+    moved = source is not None and self.mesh is not None and source != self.mesh
+    program = self.compiled(graphdef, "prepare weights", self.prepare_fn(graphdef, source if moved else self.mesh),
+                            (state,))
+    weights = program(state)
+    if moved:
+      weights = jax.tree.map(jax.device_put, weights, placements(weights, self.mesh))
+    return weights
 
-  def _prepare_fn(self, graphdef) -> Callable:
-    """state -> the sampler's `DecodeWeights` (with the C++ kernels, packed for them)."""
+  def prepare_fn(self, graphdef, mesh) -> Callable:
+    """state -> the sampler's `DecodeWeights` laid out on `mesh` (with the C++ kernels, packed
+    for them)."""
     cfg = self.config
     return lambda state: laid_out(weights_of(
         graphdef, state, cfg, self.uses_cpu_kernels() and cfg.packed_weights, prepare=cfg.packed_weights,
-        mesh=self.mesh), self.mesh)
+        mesh=self.mesh), mesh)
 
   def stop_ids(self, eos_ids: Sequence[int] | None = None) -> jax.Array:
     """The stop ids [E] a call tests (`eos_ids`, else the sampler's; none with `ignore_eos`)."""
@@ -220,14 +230,15 @@ class Sampler:
     topology from a CPU host), uncached and uncounted.
 
     `part` "prepare": the weights prepared once a call (`prepared`), args (state,), returning
-    `DecodeWeights`; "sample": the whole program `sample` runs after it, args (weights, ids [P,
-    Tp], mask, key, caps [B], eos ids); its parts alone, for their costs: "prefill", the same
-    args, returning (loop state, keys [B]); "block", one block of `config.stop_check_every`
-    decode steps (the decode loop's body, no stop test inside), args (weights, loop state,
-    keys [B], caps [B], eos ids, rope table). `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU
-    kernels) follow the mesh's devices."""
+    `DecodeWeights` laid out on the mesh the state lies on; "sample": the whole program
+    `sample` runs after it, args (weights, ids [P, Tp], mask, key, caps [B], eos ids); its parts
+    alone, for their costs: "prefill", the same args, returning (loop state, keys [B]);
+    "block", one block of `config.stop_check_every` decode steps (the decode loop's body, no
+    stop test inside), args (weights, loop state, keys [B], caps [B], eos ids, rope table).
+    `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU kernels) follow the mesh's
+    devices."""
     if part == "prepare":
-      return self._lower(self._prepare_fn(graphdef), args)
+      return self._lower(self.prepare_fn(graphdef, mesh_of(args[0]) or self.mesh), args)
     fn = functools.partial(self._generate, part=part, num_samples=num_samples,
                            gen_len=gen_len, prompt_len=prompt_len, native=self.uses_cpu_kernels())
     return self._lower(fn, args)

@@ -16,6 +16,7 @@ from flax import nnx
 from epgrpo_jax.models import abstract_model, as_dtype, init_cache, param_rules, rope_table
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rollout import continuous
+from epgrpo_jax.rollout.decode import placements
 from epgrpo_jax.rollout.sampling import Sampler, bucket, round_up, segment_ends
 from epgrpo_jax.training.advantage_program import AdvantageProgram
 from epgrpo_jax.training.batches import CompletionBatch, UpdateBatch
@@ -213,16 +214,19 @@ class StepParts:
 
   def weights_program(self):
     """The sampler's weights prepared once a sampling call (`Sampler.prepared`), compiled: from
-    the policy's weights on the training mesh, laid out on the sampler's mesh, so that no copy
-    of them as they were is made for the sampler."""
+    the policy's weights where the trainer holds them (the training mesh), laid out there;
+    `Sampler.prepared` then moves them onto a sampler mesh of its own leaf by leaf."""
     return self._weights_program
 
   @property
   def sampler_weights(self):
-    """The prepared weights (`decode.DecodeWeights`), abstract, where the prepare program puts
-    them: what the sampler's other programs take."""
-    return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
-                        self._weights_program.out_info)
+    """The prepared weights (`decode.DecodeWeights`), abstract, where the sampler's other
+    programs take them: on the sampler's mesh."""
+    out = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                       self._weights_program.out_info)
+    if self.sampler_mesh is self.mesh:
+      return out
+    return abstract(out, placements(out, self.sampler_mesh))
 
   def _sampler_args(self, part: str):
     t = self.cfg.train
