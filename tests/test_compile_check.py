@@ -179,10 +179,10 @@ def test_tiny_step_compiles_for_v5e_2x2_without_foreign_custom_calls(mesh_device
 @pytest.mark.usefixtures("no_compilation_cache")
 def test_continuous_engine_programs_compile_over_the_prepared_weights():
   """With `sampling.continuous` the sampler's programs are the engine's: the weights prepared
-  once a call from the FSDP training mesh onto the sampler's own (replicated: all-gathered
-  there, once), then its prompts' prefill and a block over its 8 slots, which gather nothing
-  and take the prepared weights only (no second copy: their arguments are the weights, the
-  slots' caches and small state)."""
+  once a call where they lie (split over the FSDP training mesh: nothing gathered), moved
+  onto the sampler's own mesh (replicated), then its prompts' prefill and a block over its 8
+  slots, which gather nothing and take the prepared weights only (no second copy: their
+  arguments are the weights, the slots' caches and small state)."""
   devices = tpu_costs.topology_devices("v5e:2x2")
   args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "mesh.data=1", "mesh.fsdp=4",
                                    "--sampler-mesh", "data=4", "sampling.continuous=true",
@@ -193,7 +193,9 @@ def test_continuous_engine_programs_compile_over_the_prepared_weights():
   assert set(measured) == {"prepare weights", "continuous prefill", "continuous block"}
   for name, m in measured.items():
     assert "FOREIGN" not in m.note and m.seconds > 0 and m.total <= m.chip.hbm_bytes, (name, m)
-  assert measured["prepare weights"].gathered > 0
+  assert measured["prepare weights"].gathered == 0
+  assert all(x.sharding.is_fully_replicated and x.sharding.mesh is check.parts.sampler_mesh
+             for x in jax.tree.leaves(check.parts.sampler_weights))
   for name in ("continuous prefill", "continuous block"):
     assert measured[name].gathered == 0 and "all-gather" not in measured[name].hlo, name
   # 16 requests of 16 tokens through 8 slots: 2 waves of 2 blocks of 8 steps

@@ -17,7 +17,8 @@ The queue can grow while it runs (`run`'s `on_group`): when the G requests of a 
 done, the caller may queue the next prompt, taken from further batches of P prompts that
 are prefilled into a store of fixed size as they are needed (DAPO dynamic sampling,
 `training.rollouts.dynamic_refill_batch`). On a mesh the slots' rows are split over its
-batch axes (data x fsdp), the prompt store is replicated, and the weights stay as placed.
+batch axes (data x fsdp), the prompt store is replicated, and the weights are prepared once a
+call (`Sampler.prepared`): the prefill and the blocks take them ready.
 See docs/sampling.md ("Continuous batching").
 
 Shape suffixes: S slots, C = each slot's cache capacity, Tp prompt slots, P prompts,
@@ -102,8 +103,8 @@ def prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype, kernels: Kernels
 
 def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
            eos_E, choose: Callable, pad_id: int) -> tuple[Slots, tuple]:
-  """Slots marked `fill_S` take a new request: prompt `prompt_S`'s cache (a scatter of its Tp
-  slots; the rest of the row marked invalid), its key and cap, and its first token. Returns
+  """Slots marked `fill_S` take a new request: prompt `prompt_S`'s cache (its Tp slots, row by
+  row; the rest of the row marked invalid), its key and cap, and its first token. Returns
   the slots and that token's (tokens, logp, entropy, live) column."""
   tp = store["valid"].shape[1]
   cache = dict(slots.cache)

@@ -234,14 +234,15 @@ class Sampler:
     `sample` runs after it, args (weights, ids [P, Tp], mask, key, caps [B], eos ids); its parts
     alone, for their costs: "prefill", the same args, returning (loop state, keys [B]);
     "block", one block of `config.stop_check_every` decode steps (the decode loop's body, no
-    stop test inside), args (weights, loop state, keys [B], caps [B], eos ids, rope table).
+    stop test inside), args (weights, loop state, keys [B], caps [B], eos ids, rope table), the
+    loop state donated (updated in place, as the decode loop carries it).
     `gen_len`: N; `prompt_len`: Tp. Choices per backend (the C++ CPU kernels) follow the mesh's
     devices."""
     if part == "prepare":
       return self._lower(self.prepare_fn(graphdef, mesh_of(args[0]) or self.mesh), args)
     fn = functools.partial(self._generate, part=part, num_samples=num_samples,
                            gen_len=gen_len, prompt_len=prompt_len, native=self.uses_cpu_kernels())
-    return self._lower(fn, args)
+    return self._lower(fn, args, donate=(1,) if part == "block" else ())  # the loop state, as the loop
 
   def uses_cpu_kernels(self) -> bool:
     """Whether the sampler's C++ kernels apply (`seam.sampler_native`: `config.cpu_kernels`, one
