@@ -109,11 +109,13 @@ def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S
   tp = store["valid"].shape[1]
   cache = dict(slots.cache)
   fill_Sx1x1x1 = fill_S[:, None, None, None]
-  # Row by row (a select, not a scatter over rows): slots split over a mesh stay where they are.
-  cache["k"] = [c.at[:, :, :, :tp].set(jnp.where(fill_Sx1x1x1, new[prompt_S].astype(c.dtype), c[:, :, :, :tp]))
-                for c, new in zip(cache["k"], store["k"])]
-  cache["v"] = [c.at[:, :, :tp].set(jnp.where(fill_Sx1x1x1, new[prompt_S].astype(c.dtype), c[:, :, :tp]))
-                for c, new in zip(cache["v"], store["v"])]
+  # Row by row (a select, not a scatter over rows): slots split over a mesh stay where they
+  # are; and the Tp slots written in place (an update slice), the rest of the cache untouched.
+  def put(c, new, head_slots):
+    return lax.dynamic_update_slice(
+        c, jnp.where(fill_Sx1x1x1, new[prompt_S].astype(c.dtype), head_slots), (0,) * c.ndim)
+  cache["k"] = [put(c, new, c[:, :, :, :tp]) for c, new in zip(cache["k"], store["k"])]
+  cache["v"] = [put(c, new, c[:, :, :tp]) for c, new in zip(cache["v"], store["v"])]
   valid_SxC = jnp.zeros_like(cache["valid"]).at[:, :tp].set(store["valid"][prompt_S])
   cache["valid"] = jnp.where(fill_S[:, None], valid_SxC, cache["valid"])
   cache["index"] = jnp.where(fill_S, tp, cache["index"])
