@@ -34,7 +34,7 @@ def policy_with_adapters(dtype: str, vocab_size: int) -> Qwen2:
 
 
 def program_text(sampler: Sampler) -> str:
-  return next(iter(sampler._programs.values())).as_text()
+  return list(sampler._programs.values())[-1].as_text()  # the sampling program (after the weights' own)
 
 
 # ---------------------------------------------------------------------------
@@ -201,7 +201,10 @@ def test_float32_sampler_runs_its_projections_on_panels_like_xla(monkeypatch):
   text = program_text(with_panels)
   calls = text.count('custom_call_target="epgrpo_panel_matmul"')
   assert calls >= 4 * m.cfg.num_layers + 1  # q/k/v, o, gate/up, down per layer; the head
-  assert text.count('custom_call_target="epgrpo_pack_panels"') == 4 * m.cfg.num_layers + 1
+  # packed once a call, in the weights' own program; the sampling program packs nothing
+  prepare = next(iter(with_panels._programs.values())).as_text()
+  assert prepare.count('custom_call_target="epgrpo_pack_panels"') == 4 * m.cfg.num_layers + 1
+  assert "epgrpo_pack_panels" not in text
   with_xla = Sampler(config.replace(packed_weights=False))
   want = with_xla.sample(m, PROMPTS, 2, jax.random.key(0))
   assert "epgrpo_panel_matmul" not in program_text(with_xla)
