@@ -1,0 +1,142 @@
+"""A prompt's cache kept once for its G rows (`sampling.shared_prompt_cache`): the merged decode
+attention against a literal case and, as an invariant, against `attend` over per-row copies;
+the static sampler's completions the same with the switch on as off (greedy and T 1.0 top-p
+0.95, float32; on one device and over a mesh); the prompt stored once; the per-backend choice."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epgrpo_jax.io.errors import UserError
+from epgrpo_jax.kernels import seam
+from epgrpo_jax.models import Qwen2, attend, attend_shared, preset
+from epgrpo_jax.models._attention import visible
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+
+
+def test_merged_attention_literal_case():
+  """One prompt of 2 slots (the first padding), 2 rows of 2 own slots each (the second not yet
+  written), Hd = 1 (scale 1). Row 0's query is 0: equal weights on the prompt's slot 1 (value 2)
+  and its own slot 0 (value 4) -> 3. Row 1's query 1 meets key ln 3 in the prompt (weight 3) and
+  key 0 of its own (weight 1): 3/4 * 2 + 1/4 * 8 = 3.5. Masked slots hold 100 and 999."""
+  prompt_keys = jnp.asarray([0.0, np.log(3.0)], jnp.float32).reshape(1, 1, 1, 2)  # [P, K, Hd, Tp]
+  prompt_values = jnp.asarray([100.0, 2.0], jnp.float32).reshape(1, 1, 2, 1)
+  prompt_valid = jnp.asarray([[False, True]])
+  q = jnp.asarray([0.0, 1.0], jnp.float32).reshape(2, 1, 1, 1, 1)  # [B, K, Q, T, Hd]
+  keys = jnp.zeros((2, 1, 1, 2), jnp.float32)
+  values = jnp.asarray([[4.0, 999.0], [8.0, 999.0]], jnp.float32).reshape(2, 1, 2, 1)
+  allowed = visible(jnp.asarray([[True, False], [True, False]]), 0, 1)  # [B, T, C]
+  out = attend_shared(q, keys, values, allowed, prompt_keys, prompt_values, prompt_valid)
+  chex.assert_trees_all_close(out.reshape(2), jnp.asarray([3.0, 3.5]), atol=1e-6)
+
+
+@jax.jit
+def merged_and_whole(q, keys, values, own_valid, offset, prompt_keys, prompt_values, prompt_valid):
+  """(`attend_shared`, `attend` over each row's prompt copy ++ its own slots)."""
+  g, tp = q.shape[0] // prompt_valid.shape[0], prompt_valid.shape[1]
+  got = attend_shared(q, keys, values, visible(own_valid, offset, 1), prompt_keys, prompt_values,
+                      prompt_valid)
+  rows = lambda x: jnp.repeat(x, g, axis=0)
+  whole_keys = jnp.concatenate([rows(prompt_keys), keys], axis=-1)
+  whole_values = jnp.concatenate([rows(prompt_values), values], axis=2)
+  whole_valid = jnp.concatenate([rows(prompt_valid), own_valid], axis=1)
+  return got, attend(q, whole_keys, whole_values, visible(whole_valid, tp + offset, 1))
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.sampled_from([(1, 1, 1, 1, 1, 1), (2, 3, 2, 2, 5, 6)]), seed=st.integers(0, 2 ** 16),
+       valid_share=st.sampled_from([0.0, 0.5, 0.9]))
+def test_merged_attention_equals_attend_over_per_row_copies(shape, seed, valid_share):
+  """Any prompt and completion masks (rows with no visible slot included): the same as `attend`
+  over each row's concatenated cache, its prompt copied in."""
+  p, g, k, q, tp, c = shape
+  hd, b = 4, p * g
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) * 3, jnp.float32)
+  got, want = merged_and_whole(
+      normal(b, k, q, 1, hd), normal(b, k, hd, c), normal(b, k, c, hd),
+      jnp.asarray(rng.random((b, c)) < valid_share), jnp.int32(rng.integers(0, c)),
+      normal(p, k, hd, tp), normal(p, k, tp, hd), jnp.asarray(rng.random((p, tp)) < valid_share))
+  chex.assert_trees_all_close(got, want, atol=1e-5)
+
+
+# The static sampler.
+
+
+@functools.cache
+def tiny_model():
+  m = Qwen2(preset("test-tiny"), rngs=nnx.Rngs(0))
+  m.lm_head[...] = m.lm_head[...] * 3.0
+  return m
+
+
+PROMPTS = [[9, 17, 33, 12], [44, 13, 50, 12, 17, 27, 21], [30, 31], [40, 41, 42, 43, 44, 45]]
+EOS = tuple(range(1, 9))
+NUCLEUS = SamplingConfig(temperature=1.0, top_p=0.95)
+GREEDY = SamplingConfig(greedy=True)
+
+
+@functools.lru_cache(maxsize=None)
+def completions(cfg, shared, mesh=None, **kw):
+  """3 completions of each prompt, up to 24 tokens in 2 segments (the cache grows once)."""
+  sampler = Sampler(cfg.replace(max_new_tokens=24, decode_segments=2, cpu_kernels=False,
+                                shared_prompt_cache=shared, **kw), eos_ids=EOS, mesh=mesh)
+  return sampler.sample(nnx.split(tiny_model()), PROMPTS, 3, jax.random.key(1))
+
+
+def assert_same_completions(a, b):
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+  np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+  np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(a.entropy), np.asarray(b.entropy), atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [GREEDY, NUCLEUS], ids=["greedy", "top-p"])
+def test_shared_prompt_cache_gives_the_same_completions(cfg):
+  off = completions(cfg, False)
+  lengths = np.asarray(off.lengths)
+  assert lengths.min() < lengths.max() and lengths.max() > 16  # stops vary; the second segment runs
+  assert_same_completions(completions(cfg, True), off)
+
+
+def test_shared_prompt_cache_on_a_mesh():
+  """Over data x fsdp x tensor (the 8 fake devices): the prompts split as the rows are."""
+  from epgrpo_jax.parallel import sharding
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
+  assert_same_completions(completions(NUCLEUS, True, mesh), completions(NUCLEUS, False))
+
+
+def test_the_prompt_is_stored_once_per_group():
+  model = tiny_model()
+  cfg = GREEDY.replace(max_new_tokens=24, decode_segments=2, cpu_kernels=False)
+  ids, mask = Sampler(cfg).prepare_prompts(PROMPTS)
+  p, tp = ids.shape
+  args = (nnx.split(model)[1], ids, mask, jax.random.key(0), jnp.full((p * 3,), 24, jnp.int32),
+          jnp.asarray(EOS, jnp.int32))
+  def prefill_cache(shared):
+    sampler = Sampler(cfg.replace(shared_prompt_cache=shared), eos_ids=EOS)
+    run = functools.partial(sampler._generate, nnx.split(model)[0], native=False, num_samples=3,
+                            gen_len=24, prompt_len=tp, part="prefill")
+    return jax.eval_shape(run, *args)[0].cache
+  own, split = prefill_cache(False), prefill_cache(True)
+  heads, hd = model.cfg.num_kv_heads, model.cfg.head_dim
+  assert own["k"][0].shape == (p * 3, heads, hd, tp + 16) and "prompt" not in own
+  assert split["prompt"]["k"][0].shape == (p, heads, hd, tp)  # once per prompt
+  assert split["prompt"]["v"][0].shape == (p, heads, tp, hd)
+  assert split["k"][0].shape == (p * 3, heads, hd, 16)  # the rows' own: the first segment
+  assert split["valid"].shape == (p * 3, 16) and split["prompt"]["valid"].shape == (p, tp)
+
+
+def test_the_backend_chooses_and_a_bad_value_names_the_key():
+  assert [seam.shared_prompt_cache("auto", b) for b in ("tpu", "cpu", "gpu")] == [True, False, False]
+  assert seam.shared_prompt_cache(True, "cpu") and not seam.shared_prompt_cache(False, "tpu")
+  with pytest.raises(UserError, match="sampling.shared_prompt_cache: must be true, false or auto"):
+    SamplingConfig(shared_prompt_cache="always")
