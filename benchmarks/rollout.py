@@ -16,6 +16,11 @@ process's peak memory. The decode attention the seam chose is named first: on a 
 Pallas kernel that reads each row's own slots (`kernels/gpu.py`), unless `--attention plain`
 (XLA's einsums over every slot, for the prefill as well).
 
+`--shared-prompt-cache`: a third side, the static sampler with each prompt's cache kept once for
+its G rows (`sampling.shared_prompt_cache`; the static side has it off), timed in the same
+alternation. `--cpu-kernels false`: XLA's decode attention, draw and products on a CPU too
+(the attention every TPU program runs).
+
 `--profile`: after the timed calls, one more call of each side with every completion cut to
 `--profile-tokens` tokens, traced with `jax.profiler` (`_profile.py`): the device op time of
 the decode steps (the ops of the decode loop's body; on a CPU the XLA ops on the host
@@ -28,7 +33,7 @@ device's memory bandwidth: `--hbm-gbps`, else the device kind's known figure).
 
   python benchmarks/rollout.py [--prompts 16] [--samples 8] [--new-tokens 2048] [--slots 32]
       [--refill-every 8] [--rounds 2] [--preset bench-tiny] [--dtype float32] [--attention auto]
-      [--profile] [--profile-tokens 32] [--hbm-gbps 0]
+      [--shared-prompt-cache] [--cpu-kernels true] [--profile] [--profile-tokens 32] [--hbm-gbps 0]
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def parse_args(argv=None):
   ap.add_argument("--attention", default="auto", choices=("auto", "plain", "blockwise", "cudnn"),
                   help="model.attention (plain: XLA's decode attention on a GPU too)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--shared-prompt-cache", action="store_true",
+                  help="a third side: the static sampler with sampling.shared_prompt_cache=true")
+  ap.add_argument("--cpu-kernels", default="true", choices=("true", "false"), help="sampling.cpu_kernels")
   ap.add_argument("--profile", action="store_true", help="trace one call of each side (see above)")
   ap.add_argument("--profile-tokens", type=int, default=32, help="completion length of the traced calls")
   ap.add_argument("--hbm-gbps", type=float, default=0.0,
@@ -168,10 +176,13 @@ def main(argv=None) -> None:
         f"median {np.median(lengths_PxG):.0f} max {lengths_PxG.max()}")
 
   base = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens, ignore_eos=True,
-                        stop_check_every=args.stop_check_every)
+                        stop_check_every=args.stop_check_every, cpu_kernels=args.cpu_kernels == "true",
+                        shared_prompt_cache=False)
   sides = {"static": Sampler(base),
            "continuous": Sampler(base.replace(continuous=True, slots=args.slots,
                                               refill_every=args.refill_every))}
+  if args.shared_prompt_cache:
+    sides["shared"] = Sampler(base.replace(shared_prompt_cache=True))
   print(f"decode attention: {decode_attention_name(seam.choose(cfg), sides['static'])}")
   graph = nnx.split(model)
   key = jax.random.key(args.seed)
@@ -202,6 +213,7 @@ def main(argv=None) -> None:
   decode_useful = useful - lengths_PxG.size
   row_steps = {"static": static_row_steps(lengths_PxG, args.stop_check_every),
                "continuous": sides["continuous"].decode_row_steps}
+  row_steps["shared"] = row_steps["static"]
   assert (np.asarray(a.lengths) == lengths_PxG).all() and (np.asarray(b.lengths) == lengths_PxG).all()
   rates = {}
   for name in sides:
@@ -219,6 +231,12 @@ def main(argv=None) -> None:
         f"per step for its live rows (continuous schedule) would save {saved:.1%}")
   print(f"continuous / static: {rates['continuous'] / rates['static']:.2f}x useful tokens/s; "
         f"compiled while timed: {compiles.count}; {peak_text}\nsame completions: {same}")
+  if args.shared_prompt_cache:
+    c = outs["shared"]
+    print(f"shared prompt cache / static: {rates['shared'] / rates['static']:.2f}x useful tokens/s; "
+          f"{(np.asarray(a.tokens) == np.asarray(c.tokens)).all(-1).sum()} of {rows_same.size} "
+          f"completions the static side's token for token, log-prob gap "
+          f"{np.abs(np.asarray(a.logp) - np.asarray(c.logp)).max():.1e}")
   if args.profile:
     cut_PxG = np.minimum(lengths_PxG, args.profile_tokens)
     bandwidth = prof.hbm_bandwidth(jax.devices()[0].device_kind, args.hbm_gbps)
@@ -229,7 +247,7 @@ def main(argv=None) -> None:
     for name, sampler in sides.items():
       split = prof.time_by_part(lambda: sampler.sample(graph, prompts, g, key, stop_after=cut_PxG),
                                 prof.op_parts(sampler._programs.values(), decode_parts), "outside")
-      if name == "static":
+      if name != "continuous":  # the static sampler, either cache
         steps = static_row_steps(cut_PxG, args.stop_check_every) // cut_PxG.size
         rows = float(cut_PxG.size)
       else:

@@ -19,6 +19,7 @@ from epgrpo_jax.kernels import seam
 from epgrpo_jax.models import Qwen2, attend, attend_shared, preset
 from epgrpo_jax.models._attention import visible
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+from epgrpo_jax.tools import tpu_costs
 
 
 def test_merged_attention_literal_case():
@@ -140,3 +141,30 @@ def test_the_backend_chooses_and_a_bad_value_names_the_key():
   assert seam.shared_prompt_cache(True, "cpu") and not seam.shared_prompt_cache(False, "tpu")
   with pytest.raises(UserError, match="sampling.shared_prompt_cache: must be true, false or auto"):
     SamplingConfig(shared_prompt_cache="always")
+
+
+@pytest.mark.skipif(not tpu_costs.libtpu_installed(),
+                    reason="libtpu is not installed: no TPU ahead-of-time compiles")
+def test_a_tpu_decode_block_moves_fewer_bytes_with_the_prompt_once():
+  """A tiny config's decode block compiled for one v5e chip (the TPU compiler's HLO, its HBM bytes
+  counted instruction by instruction, `models.hlo_bytes`): the switch on (auto on a TPU) moves
+  fewer bytes than off, and its arguments hold the prompts once."""
+  from epgrpo_jax.tools import compile_check
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)  # programs for devices this host lacks
+  try:
+    measured = {}
+    for setting in ("auto", "false"):
+      args = compile_check.parse_args([
+          "--topology", "v5e:2x2", "--preset", "test-tiny", "--prompt-tokens", "8",
+          "train.prompts_per_step=4", "train.num_generations=4", "sampling.max_new_tokens=16",
+          f"sampling.shared_prompt_cache={setting}"])
+      check = compile_check.CompileCheck.create(args, tpu_costs.topology_devices("v5e:2x2")[:1])
+      measured[setting] = dict(check.programs())["decode block 0"]()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+  on, off = measured["auto"], measured["false"]
+  # 4 prompts of 4 rows each: 3 of each prompt's 4 copies of the 32 prompt slots (of 40) go; 2026-12-07: 596 KB
+  # against 793 KB a block
+  assert 0 < on.hbm < 0.9 * off.hbm and on.argument < off.argument, (on.hbm, off.hbm, on.argument,
+                                                                     off.argument)
