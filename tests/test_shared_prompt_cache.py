@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.kernels import seam
-from epgrpo_jax.models import Qwen2, attend, attend_shared, preset
+from epgrpo_jax.models import Qwen2, attend, attend_shared, init_cache, preset
 from epgrpo_jax.models._attention import visible
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
 from epgrpo_jax.tools import tpu_costs
@@ -113,6 +113,10 @@ def test_shared_prompt_cache_on_a_mesh():
   from epgrpo_jax.parallel import sharding
   mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
   assert_same_completions(completions(NUCLEUS, True, mesh), completions(NUCLEUS, False))
+  cache = {**init_cache(tiny_model().cfg, 12, 8), "prompt": init_cache(tiny_model().cfg, 4, 16)}
+  placed = sharding.cache_shardings(jax.eval_shape(lambda: cache), mesh)["prompt"]
+  assert placed["k"][0].spec == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None, None)
+  assert placed["valid"].spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)
 
 
 def test_the_prompt_is_stored_once_per_group():
@@ -134,6 +138,20 @@ def test_the_prompt_is_stored_once_per_group():
   assert split["prompt"]["v"][0].shape == (p, heads, tp, hd)
   assert split["k"][0].shape == (p * 3, heads, hd, 16)  # the rows' own: the first segment
   assert split["valid"].shape == (p * 3, 16) and split["prompt"]["valid"].shape == (p, tp)
+
+
+def test_no_data_dependent_loop_inside_a_decode_step():
+  sampler = Sampler(NUCLEUS.replace(max_new_tokens=16, cpu_kernels=False, shared_prompt_cache=True))
+  ids, mask = sampler.prepare_prompts(PROMPTS)
+  graphdef, state = nnx.split(tiny_model())
+  run = functools.partial(sampler._generate, graphdef, num_samples=2, gen_len=16,
+                          prompt_len=ids.shape[1], native=False)
+  jaxpr = jax.make_jaxpr(run)(state, ids, mask, jax.random.key(0), jnp.full((8,), 16, jnp.int32),
+                              jnp.asarray(EOS, jnp.int32)).jaxpr
+  loops = [e for e in jaxpr.eqns if e.primitive.name == "while"]
+  assert len(loops) == 2  # one per segment, testing "all done" once per block
+  inner = str(loops[0].params["body_jaxpr"]) + str(loops[1].params["body_jaxpr"])
+  assert "while[" not in inner and "scan[" in inner
 
 
 def test_the_backend_chooses_and_a_bad_value_names_the_key():
