@@ -96,6 +96,19 @@ def prompt_reads(prompt_lengths_P: np.ndarray, lengths_PxG: np.ndarray, live_pro
   return prompt / total, (prompt - once) / total
 
 
+def agreement(a, b) -> str:
+  """How far two sides' outputs agree: completions equal token for token, where the others
+  first part, and the largest log-prob gap before that."""
+  equal = np.asarray(a.tokens) == np.asarray(b.tokens)
+  rows_same = equal.all(-1)
+  first_diff = np.argmin(equal, -1)[~rows_same]
+  prefix = np.arange(equal.shape[-1]) < (first_diff.min() if first_diff.size else equal.shape[-1])
+  logp_gap = np.abs(np.asarray(a.logp) - np.asarray(b.logp))[..., prefix].max()
+  return (f"{rows_same.sum()} of {rows_same.size} completions token for token"
+          + (f" (the others part at token {first_diff.min()} or later)" if first_diff.size else "")
+          + f", log-prob gap before the first parting {logp_gap:.1e}")
+
+
 def decode_attention_name(kernels, sampler) -> str:
   """Which decode attention the sampler's programs run."""
   if kernels.decode_attention is not None:
@@ -202,13 +215,7 @@ def main(argv=None) -> None:
       for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
         times[name].append(C.time_call(lambda: call(name)))
   a, b = outs["static"], outs["continuous"]
-  rows_same = (np.asarray(a.tokens) == np.asarray(b.tokens)).all(-1)
-  first_diff = np.argmin(np.asarray(a.tokens) == np.asarray(b.tokens), -1)[~rows_same]
-  prefix = np.arange(args.new_tokens) < (first_diff.min() if first_diff.size else args.new_tokens)
-  logp_gap = np.abs(np.asarray(a.logp) - np.asarray(b.logp))[..., prefix].max()
-  same = (f"{rows_same.sum()} of {rows_same.size} completions token for token"
-          + (f" (the others part at token {first_diff.min()} or later)" if first_diff.size else "")
-          + f", log-prob gap before the first parting {logp_gap:.1e}")
+  same = agreement(a, b)
   useful = int(lengths_PxG.sum())
   decode_useful = useful - lengths_PxG.size
   row_steps = {"static": static_row_steps(lengths_PxG, args.stop_check_every),
@@ -232,11 +239,8 @@ def main(argv=None) -> None:
   print(f"continuous / static: {rates['continuous'] / rates['static']:.2f}x useful tokens/s; "
         f"compiled while timed: {compiles.count}; {peak_text}\nsame completions: {same}")
   if args.shared_prompt_cache:
-    c = outs["shared"]
     print(f"shared prompt cache / static: {rates['shared'] / rates['static']:.2f}x useful tokens/s; "
-          f"{(np.asarray(a.tokens) == np.asarray(c.tokens)).all(-1).sum()} of {rows_same.size} "
-          f"completions the static side's token for token, log-prob gap "
-          f"{np.abs(np.asarray(a.logp) - np.asarray(c.logp)).max():.1e}")
+          f"same completions as static: {agreement(a, outs['shared'])}")
   if args.profile:
     cut_PxG = np.minimum(lengths_PxG, args.profile_tokens)
     bandwidth = prof.hbm_bandwidth(jax.devices()[0].device_kind, args.hbm_gbps)
