@@ -19,6 +19,7 @@ from epgrpo_jax.kernels import seam
 from epgrpo_jax.models import Qwen2, attend, attend_shared, init_cache, preset
 from epgrpo_jax.models._attention import visible
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+from helpers import assert_same_completions
 from epgrpo_jax.tools import tpu_costs
 
 
@@ -90,14 +91,6 @@ def completions(cfg, shared, mesh=None, **kw):
   sampler = Sampler(cfg.replace(max_new_tokens=24, decode_segments=2, cpu_kernels=False,
                                 shared_prompt_cache=shared, **kw), eos_ids=EOS, mesh=mesh)
   return sampler.sample(nnx.split(tiny_model()), PROMPTS, 3, jax.random.key(1))
-
-
-def assert_same_completions(a, b):
-  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-  np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
-  np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
-  np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
-  np.testing.assert_allclose(np.asarray(a.entropy), np.asarray(b.entropy), atol=1e-5)
 
 
 @pytest.mark.parametrize("cfg", [GREEDY, NUCLEUS], ids=["greedy", "top-p"])
