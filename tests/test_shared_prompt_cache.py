@@ -179,3 +179,56 @@ def test_a_tpu_decode_block_moves_fewer_bytes_with_the_prompt_once():
   # against 793 KB a block
   assert 0 < on.hbm < 0.9 * off.hbm and on.argument < off.argument, (on.hbm, off.hbm, on.argument,
                                                                      off.argument)
+
+
+# On a GPU with the switch on: the prompt part by one XLA product per group, the rows' own
+# slots by the Pallas kernel (`kernels/gpu.py`), run here by Pallas' interpreter.
+
+
+def test_gpu_shared_attention_equals_xla_with_garbage_outside_the_rows_spans():
+  from epgrpo_jax.kernels import gpu
+  p, g, k, q, hd, tp, c = 2, 3, 2, 3, 8, 5, 40
+  rng = np.random.default_rng(7)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape) * 2, jnp.float32)
+  q_, keys, values = normal(p * g, k, q, hd), normal(p * g, k, hd, c), normal(p * g, k, c, hd)
+  allowed = jnp.asarray(rng.random((p * g, c)) < 0.6).at[:, 30:].set(False).at[0].set(False)
+  keys = jnp.where(allowed[:, None, None, :], keys, jnp.nan)  # never read: not allowed or past 30
+  values = jnp.where(allowed[:, None, :, None], values, jnp.inf)
+  prompt = normal(p, k, hd, tp), normal(p, k, tp, hd), jnp.asarray([[0, 1, 1, 1, 1], [1, 1, 0, 1, 1]], bool)
+  got = jax.jit(functools.partial(gpu.shared_decode_attention, block=16, programs=8, interpret=True))(
+      q_, keys, values, allowed, 30, *prompt)
+  clean = lambda x: jnp.nan_to_num(x, nan=0.0, posinf=0.0)
+  want = attend_shared(q_[:, :, :, None], clean(keys), clean(values), visible(allowed, 29, 1), *prompt)
+  chex.assert_trees_all_close(got, want[:, :, :, 0], atol=1e-5)  # row 0: its prompt alone
+
+
+def test_the_sampler_as_for_a_gpu_gives_the_same_completions(monkeypatch):
+  """The static sampler's programs built as for one GPU (the seam told so) with the switch on,
+  the kernel interpreted: the completions of XLA's attention over per-row caches on the CPU."""
+  from epgrpo_jax.kernels import gpu
+  want = completions(NUCLEUS, False)  # before the seam is told it is a GPU
+  calls, kernel = [], gpu.shared_decode_attention
+
+  def interpreted(*args, **kw):
+    calls.append(args[0].shape)
+    return kernel(*args, interpret=True, **kw)
+
+  monkeypatch.setattr(seam, "backend_of", lambda mesh: "gpu")
+  monkeypatch.setattr(seam, "one_device", lambda mesh: True)
+  monkeypatch.setattr(gpu, "shared_decode_attention", interpreted)
+  sampler = Sampler(NUCLEUS.replace(max_new_tokens=24, decode_segments=2, cpu_kernels=False,
+                                    shared_prompt_cache=True), eos_ids=EOS)
+  got = sampler.sample(nnx.split(tiny_model()), PROMPTS, 3, jax.random.key(1))
+  assert calls, "the decode steps did not call the GPU kernel"
+  assert_same_completions(got, want)
+
+
+def test_gpu_shared_attention_lowers_to_the_triton_kernel_for_cuda():
+  from epgrpo_jax.kernels import gpu
+  b, p, k, q, hd, tp, c = 64, 8, 2, 7, 64, 256, 1024  # Qwen2.5-0.5B's heads, 8 x 8 rows
+  shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (
+      ((b, k, q, hd), jnp.bfloat16), ((b, k, hd, c), jnp.bfloat16), ((b, k, c, hd), jnp.bfloat16),
+      ((b, c), bool), ((), jnp.int32), ((p, k, hd, tp), jnp.bfloat16), ((p, k, tp, hd), jnp.bfloat16),
+      ((p, tp), bool))]
+  text = jax.jit(gpu.shared_decode_attention).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text and "epgrpo_decode_attention" in text

@@ -66,8 +66,9 @@ def shared_prompt_cache(setting, backend: str) -> bool:
   (`models.split_cache`; `sampling.shared_prompt_cache`: `setting` true, false or "auto").
   auto: on a TPU, where XLA's decode attention reads every slot of every row's cache, so G
   copies of a prompt are G reads (docs/sampling.md); off on the CPU, whose C++ decode attention
-  already reads a group's prompt slots once, and on GPUs, whose Pallas kernel reads each row's
-  own span (the split cache takes XLA's attention; unmeasured there)."""
+  already reads a group's prompt slots once, and on GPUs until measured there (on, the prompt
+  part is one XLA product per group and each row's own slots the Pallas kernel's span,
+  `gpu.shared_decode_attention`)."""
   return backend == "tpu" if setting == "auto" else bool(setting)
 
 
@@ -138,4 +139,5 @@ def for_backend(cfg: ModelConfig, backend: str, single_device: bool, *,
     from epgrpo_jax.kernels import gpu  # Pallas' Triton parts load only where a GPU program is built
 
     common["decode_attention"] = gpu.decode_attention
+    common["shared_decode_attention"] = gpu.shared_decode_attention
   return Kernels(attention=attention, **common)

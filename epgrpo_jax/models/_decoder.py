@@ -38,13 +38,14 @@ def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments
   prompt cache kept once per group: `_prompt_cache`), over the group's prompt and the row's
   own slots (`attend_shared`)."""
   t = q.shape[3]
-  if prompt is not None:
-    return attend_shared(q, keys, values, _attention.visible(valid_BxS, offset, t), *prompt)
-  decode = kernels.decode_attention
+  decode = kernels.decode_attention if prompt is None else kernels.shared_decode_attention
   if (decode is not None and t == 1 and write_index is not None
       and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
     # a per-row index (continuous batching): the kernel reads the slots below the largest
-    return decode(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1)[:, :, :, None]
+    return decode(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1,
+                  *(prompt or ()))[:, :, :, None]
+  if prompt is not None:
+    return attend_shared(q, keys, values, _attention.visible(valid_BxS, offset, t), *prompt)
   if attention[0] == "plain" or t == 1:
     return _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t, segments_BxS))
   if attention[0] == "blockwise":
