@@ -16,6 +16,11 @@ process's peak memory. The decode attention the seam chose is named first: on a 
 Pallas kernel that reads each row's own slots (`kernels/gpu.py`), unless `--attention plain`
 (XLA's einsums over every slot, for the prefill as well).
 
+`--shared-prompt-cache`: a third side, the static sampler with each prompt's cache kept once for
+its G rows (`sampling.shared_prompt_cache`; the static side has it off), timed in the same
+alternation. `--cpu-kernels false`: XLA's decode attention, draw and products on a CPU too
+(the attention every TPU program runs).
+
 `--profile`: after the timed calls, one more call of each side with every completion cut to
 `--profile-tokens` tokens, traced with `jax.profiler` (`_profile.py`): the device op time of
 the decode steps (the ops of the decode loop's body; on a CPU the XLA ops on the host
@@ -28,7 +33,7 @@ device's memory bandwidth: `--hbm-gbps`, else the device kind's known figure).
 
   python benchmarks/rollout.py [--prompts 16] [--samples 8] [--new-tokens 2048] [--slots 32]
       [--refill-every 8] [--rounds 2] [--preset bench-tiny] [--dtype float32] [--attention auto]
-      [--profile] [--profile-tokens 32] [--hbm-gbps 0]
+      [--shared-prompt-cache] [--cpu-kernels true] [--profile] [--profile-tokens 32] [--hbm-gbps 0]
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def parse_args(argv=None):
   ap.add_argument("--attention", default="auto", choices=("auto", "plain", "blockwise", "cudnn"),
                   help="model.attention (plain: XLA's decode attention on a GPU too)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--shared-prompt-cache", action="store_true",
+                  help="a third side: the static sampler with sampling.shared_prompt_cache=true")
+  ap.add_argument("--cpu-kernels", default="true", choices=("true", "false"), help="sampling.cpu_kernels")
   ap.add_argument("--profile", action="store_true", help="trace one call of each side (see above)")
   ap.add_argument("--profile-tokens", type=int, default=32, help="completion length of the traced calls")
   ap.add_argument("--hbm-gbps", type=float, default=0.0,
@@ -86,6 +94,19 @@ def prompt_reads(prompt_lengths_P: np.ndarray, lengths_PxG: np.ndarray, live_pro
     for step_S in block_SxK.T:
       once += int(prompt_lengths_P[np.unique(step_S[step_S >= 0])].sum())
   return prompt / total, (prompt - once) / total
+
+
+def agreement(a, b) -> str:
+  """How far two sides' outputs agree: completions equal token for token, where the others
+  first part, and the largest log-prob gap before that."""
+  equal = np.asarray(a.tokens) == np.asarray(b.tokens)
+  rows_same = equal.all(-1)
+  first_diff = np.argmin(equal, -1)[~rows_same]
+  prefix = np.arange(equal.shape[-1]) < (first_diff.min() if first_diff.size else equal.shape[-1])
+  logp_gap = np.abs(np.asarray(a.logp) - np.asarray(b.logp))[..., prefix].max()
+  return (f"{rows_same.sum()} of {rows_same.size} completions token for token"
+          + (f" (the others part at token {first_diff.min()} or later)" if first_diff.size else "")
+          + f", log-prob gap before the first parting {logp_gap:.1e}")
 
 
 def decode_attention_name(kernels, sampler) -> str:
@@ -168,10 +189,13 @@ def main(argv=None) -> None:
         f"median {np.median(lengths_PxG):.0f} max {lengths_PxG.max()}")
 
   base = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=args.new_tokens, ignore_eos=True,
-                        stop_check_every=args.stop_check_every)
+                        stop_check_every=args.stop_check_every, cpu_kernels=args.cpu_kernels == "true",
+                        shared_prompt_cache=False)
   sides = {"static": Sampler(base),
            "continuous": Sampler(base.replace(continuous=True, slots=args.slots,
                                               refill_every=args.refill_every))}
+  if args.shared_prompt_cache:
+    sides["shared"] = Sampler(base.replace(shared_prompt_cache=True))
   print(f"decode attention: {decode_attention_name(seam.choose(cfg), sides['static'])}")
   graph = nnx.split(model)
   key = jax.random.key(args.seed)
@@ -191,17 +215,12 @@ def main(argv=None) -> None:
       for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
         times[name].append(C.time_call(lambda: call(name)))
   a, b = outs["static"], outs["continuous"]
-  rows_same = (np.asarray(a.tokens) == np.asarray(b.tokens)).all(-1)
-  first_diff = np.argmin(np.asarray(a.tokens) == np.asarray(b.tokens), -1)[~rows_same]
-  prefix = np.arange(args.new_tokens) < (first_diff.min() if first_diff.size else args.new_tokens)
-  logp_gap = np.abs(np.asarray(a.logp) - np.asarray(b.logp))[..., prefix].max()
-  same = (f"{rows_same.sum()} of {rows_same.size} completions token for token"
-          + (f" (the others part at token {first_diff.min()} or later)" if first_diff.size else "")
-          + f", log-prob gap before the first parting {logp_gap:.1e}")
+  same = agreement(a, b)
   useful = int(lengths_PxG.sum())
   decode_useful = useful - lengths_PxG.size
   row_steps = {"static": static_row_steps(lengths_PxG, args.stop_check_every),
                "continuous": sides["continuous"].decode_row_steps}
+  row_steps["shared"] = row_steps["static"]
   assert (np.asarray(a.lengths) == lengths_PxG).all() and (np.asarray(b.lengths) == lengths_PxG).all()
   rates = {}
   for name in sides:
@@ -219,6 +238,9 @@ def main(argv=None) -> None:
         f"per step for its live rows (continuous schedule) would save {saved:.1%}")
   print(f"continuous / static: {rates['continuous'] / rates['static']:.2f}x useful tokens/s; "
         f"compiled while timed: {compiles.count}; {peak_text}\nsame completions: {same}")
+  if args.shared_prompt_cache:
+    print(f"shared prompt cache / static: {rates['shared'] / rates['static']:.2f}x useful tokens/s; "
+          f"same completions as static: {agreement(a, outs['shared'])}")
   if args.profile:
     cut_PxG = np.minimum(lengths_PxG, args.profile_tokens)
     bandwidth = prof.hbm_bandwidth(jax.devices()[0].device_kind, args.hbm_gbps)
@@ -229,7 +251,7 @@ def main(argv=None) -> None:
     for name, sampler in sides.items():
       split = prof.time_by_part(lambda: sampler.sample(graph, prompts, g, key, stop_after=cut_PxG),
                                 prof.op_parts(sampler._programs.values(), decode_parts), "outside")
-      if name == "static":
+      if name != "continuous":  # the static sampler, either cache
         steps = static_row_steps(cut_PxG, args.stop_check_every) // cut_PxG.size
         rows = float(cut_PxG.size)
       else:

@@ -150,3 +150,13 @@ def torch_logits(model, tokens_BxT, mask_BxT, positions_BxT) -> np.ndarray:
                 attention_mask=torch.as_tensor(mask_BxT, dtype=torch.long),
                 position_ids=torch.as_tensor(positions_BxT, dtype=torch.long))
   return out.logits.float().numpy()
+
+
+def assert_same_completions(a, b):
+  """Two samplers' outputs (`SampleOutput`) agree: the same tokens, masks and lengths, log-probs
+  and entropies within 1e-5."""
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+  np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+  np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(a.entropy), np.asarray(b.entropy), atol=1e-5)

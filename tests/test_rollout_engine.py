@@ -18,6 +18,7 @@ from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import LoraConfig, Qwen2, preset
 from epgrpo_jax.rollout import strategies
 from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+from helpers import assert_same_completions
 
 _INT_MAX = np.iinfo(np.int32).max
 
@@ -190,14 +191,6 @@ def test_the_decoding_programs_take_the_weights_prepared_once():
 def sample(model, cfg, key=1, stop_after=None, **kw):
   sampler = Sampler(cfg.replace(max_new_tokens=20, **kw), eos_ids=EOS)
   return sampler.sample(model, PROMPTS, 3, jax.random.key(key), stop_after=stop_after), sampler
-
-
-def assert_same_completions(a, b):
-  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
-  np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
-  np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
-  np.testing.assert_allclose(np.asarray(a.logp), np.asarray(b.logp), atol=1e-5)
-  np.testing.assert_allclose(np.asarray(a.entropy), np.asarray(b.entropy), atol=1e-5)
 
 
 NUCLEUS = SamplingConfig(temperature=1.0, top_p=0.95)

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from epgrpo_jax.models import attend
+from epgrpo_jax.models import attend, attend_shared
 
 NEG = -1e30  # finite: a block with no readable slot leaves exp(NEG - NEG) to be masked, not NaN
 MIN_SLOTS = 16  # Triton's dot needs 16 or more along each axis
@@ -162,4 +162,45 @@ def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, li
   lo_B, hi_B = row_spans(allowed_BxS, limit)
   parts = partials(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, lo_B, hi_B,
                    block=block, programs=programs, interpret=interpret)
+  return merged(*parts).astype(q_BxKxGxHd.dtype)
+
+
+def prompt_partials(q_BxKxGxHd, prompt_keys_PxKxHdxTp, prompt_values_PxKxTpxHd, prompt_valid_PxTp):
+  """A group's prompt part as one more split for `merged` (o [1, B, K, G, Hd] unnormalised, m
+  and l [1, B, K, G], float32): the queries of a prompt's rows against its keys and values,
+  read once for the group (one XLA product per prompt and KV head; float32 in IEEE precision,
+  as the kernel's). A row with no valid prompt slot gives l = 0."""
+  b, k, g, hd = q_BxKxGxHd.shape
+  p = prompt_valid_PxTp.shape[0]
+  dtype = q_BxKxGxHd.dtype
+  precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  q_PxRxKxGxHd = q_BxKxGxHd.reshape(p, b // p, k, g, hd)
+  scores = jnp.einsum("prkgh,pkhs->prkgs", q_PxRxKxGxHd, prompt_keys_PxKxHdxTp.astype(dtype),
+                      preferred_element_type=jnp.float32, precision=precision) / np.sqrt(hd)
+  valid = prompt_valid_PxTp[:, None, None, None, :]
+  scores = jnp.where(valid, scores, NEG)
+  m_PxRxKxG = scores.max(-1)
+  e = jnp.where(valid, jnp.exp(scores - m_PxRxKxG[..., None]), 0.0)
+  o = jnp.einsum("prkgs,pksh->prkgh", e.astype(dtype), prompt_values_PxKxTpxHd.astype(dtype),
+                 preferred_element_type=jnp.float32, precision=precision)
+  return o.reshape(1, b, k, g, hd), m_PxRxKxG.reshape(1, b, k, g), e.sum(-1).reshape(1, b, k, g)
+
+
+def shared_decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, limit,
+                            prompt_keys_PxKxHdxTp, prompt_values_PxKxTpxHd, prompt_valid_PxTp, *,
+                            block: int = 128, programs: int = 256, interpret: bool = False):
+  """`Kernels.shared_decode_attention` on a GPU, over a cache whose prompt part is kept once per
+  group (`models.split_cache`): the prompt part by `prompt_partials` (read once per group),
+  each row's own slots by the kernel over its span (`decode_attention`'s), the two merged by
+  log-sum-exp (`merged`). A cache under `MIN_SLOTS` own slots takes `models.attend_shared`."""
+  s = keys_BxKxHdxS.shape[-1]
+  prompt = (prompt_keys_PxKxHdxTp, prompt_values_PxKxTpxHd, prompt_valid_PxTp)
+  if s < MIN_SLOTS:
+    allowed = allowed_BxS.astype(bool) & (jnp.arange(s) < limit)
+    return attend_shared(q_BxKxGxHd[:, :, :, None], keys_BxKxHdxS, values_BxKxSxHd,
+                         allowed[:, None, :], *prompt)[:, :, :, 0]
+  lo_B, hi_B = row_spans(allowed_BxS, limit)
+  own = partials(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, lo_B, hi_B, block=block,
+                 programs=programs, interpret=interpret)
+  parts = [jnp.concatenate(pair) for pair in zip(prompt_partials(q_BxKxGxHd, *prompt), own)]
   return merged(*parts).astype(q_BxKxGxHd.dtype)

@@ -61,6 +61,17 @@ def sampler_draw(cpu_kernels: bool) -> tuple[Callable | None, Callable | None]:
   return (cpu.largest_threshold, cpu.nucleus_draw) if cpu_kernels else (None, None)
 
 
+def shared_prompt_cache(setting, backend: str) -> bool:
+  """Whether the static sampler keeps each prompt's cache once for its G rows
+  (`models.split_cache`; `sampling.shared_prompt_cache`: `setting` true, false or "auto").
+  auto: on a TPU, where XLA's decode attention reads every slot of every row's cache, so G
+  copies of a prompt are G reads (docs/sampling.md); off on the CPU, whose C++ decode attention
+  already reads a group's prompt slots once, and on GPUs until measured there (on, the prompt
+  part is one XLA product per group and each row's own slots the Pallas kernel's span,
+  `gpu.shared_decode_attention`)."""
+  return backend == "tpu" if setting == "auto" else bool(setting)
+
+
 def gpu_decode(name: str, backend: str, single_device: bool) -> bool:
   """Whether one-token decode steps attend with the Pallas kernel (`kernels.gpu`): on a GPU, in
   a single-device program (XLA cannot shard the kernel's custom call over a mesh), unless
@@ -128,4 +139,5 @@ def for_backend(cfg: ModelConfig, backend: str, single_device: bool, *,
     from epgrpo_jax.kernels import gpu  # Pallas' Triton parts load only where a GPU program is built
 
     common["decode_attention"] = gpu.decode_attention
+    common["shared_decode_attention"] = gpu.shared_decode_attention
   return Kernels(attention=attention, **common)

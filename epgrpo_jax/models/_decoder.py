@@ -26,20 +26,26 @@ from epgrpo_jax.models._config import LoraConfig, ModelConfig, as_dtype
 from epgrpo_jax.models._kernels import XLA, Kernels
 from epgrpo_jax.models._dense import Dense
 from epgrpo_jax.models._lora import LoRA, Projection, fused, fused_product
+from epgrpo_jax.models._prompt_cache import attend_shared
 from epgrpo_jax.models._rope import rope_angles, rotate
 from epgrpo_jax.models.interface import Cache
 
 
 def _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS,
-            kernels: Kernels):
+            kernels: Kernels, prompt=None):
   """softmax(q . keys) . values by the resolved `attention` (the kernels' decode attention for
-  one token with a cache, where they have one)."""
+  one token with a cache, where they have one); with `prompt` (keys, values, valid of a
+  prompt cache kept once per group: `_prompt_cache`), over the group's prompt and the row's
+  own slots (`attend_shared`)."""
   t = q.shape[3]
-  decode = kernels.decode_attention
+  decode = kernels.decode_attention if prompt is None else kernels.shared_decode_attention
   if (decode is not None and t == 1 and write_index is not None
       and keys.dtype == values.dtype and keys.dtype in (jnp.float32, jnp.bfloat16)):
     # a per-row index (continuous batching): the kernel reads the slots below the largest
-    return decode(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1)[:, :, :, None]
+    return decode(q[:, :, :, 0], keys, values, valid_BxS, jnp.max(write_index) + 1,
+                  *(prompt or ()))[:, :, :, None]
+  if prompt is not None:
+    return attend_shared(q, keys, values, _attention.visible(valid_BxS, offset, t), *prompt)
   if attention[0] == "plain" or t == 1:
     return _attention.attend(q, keys, values, _attention.visible(valid_BxS, offset, t, segments_BxS))
   if attention[0] == "blockwise":
@@ -131,7 +137,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxTxD, angles, k_BxKxHdxS, v_BxKxSxHd, valid_BxS, offset, write_index,
                attention: tuple[str, int, int], adapters: bool, segments_BxS=None,
-               kernels: Kernels = XLA):
+               kernels: Kernels = XLA, prompt=None):
     """Rotates q and k by `angles` (`rope_angles`: cos, sin), writes this block's keys/values at
     `write_index` (None: no cache) and attends: query t
     (at slot `offset + t`) sees the slots s <= offset + t where `valid_BxS` (and of its own
@@ -139,7 +145,8 @@ class Attention(nnx.Module):
     most sequences per row for cuDNN)
     (a one-token step: the plain path or the kernels' decode attention; without a cache, the
     kernels' causal attention where they have one). `kernels.products` holds this block's
-    prepared products (q/k/v, o, gate/up, down), if any."""
+    prepared products (q/k/v, o, gate/up, down), if any. `prompt`: this layer's part of a
+    prompt cache kept once per group (`_prompt_cache.split_cache`), or None."""
     cfg = self.cfg
     b, t, _ = x_BxTxD.shape
     with jax.named_scope("projections"):  # a profile's parts (benchmarks/_profile.py)
@@ -169,7 +176,7 @@ class Attention(nnx.Module):
     q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim).transpose(0, 2, 3, 1, 4)
     with jax.named_scope("attention"):  # a profile's attention share (benchmarks/update_gpu.py)
       out = _attend(q, keys, values, valid_BxS, offset, write_index, attention, segments_BxS,
-                    kernels)
+                    kernels, prompt)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * cfg.head_dim)
     return o(out), keys, values
 
@@ -212,10 +219,10 @@ class Block(nnx.Module):
             [self.mlp.down]]
 
   def __call__(self, x, angles, k, v, valid, offset, write_index, attention: tuple[str, int, int],
-               adapters: bool, segments=None, kernels: Kernels = XLA):
+               adapters: bool, segments=None, kernels: Kernels = XLA, prompt=None):
     dtype = x.dtype
     h, k, v = self.attn(self.input_norm(x).astype(dtype), angles, k, v, valid, offset,
-                        write_index, attention, adapters, segments, kernels)
+                        write_index, attention, adapters, segments, kernels, prompt)
     x = x + h.astype(dtype)
     y = self.post_attn_norm(x).astype(dtype)
     with jax.named_scope("projections"):  # the MLP, for a profile's parts
@@ -276,7 +283,8 @@ class Decoder(nnx.Module):
     Without a cache: causal attention within the batch, keys restricted to
     `mask_BxT`. With a cache: the tokens are written to slots
     `[index, index + T)`, marked valid where `mask_BxT`, and attend causally to
-    every valid slot. Returns `(hidden_BxTxD, cache)` (the cache updated, or None).
+    every valid slot. Returns `(hidden_BxTxD, cache)` (the cache updated, or None). A cache
+    with a `"prompt"` part (`_prompt_cache.split_cache`) also attends to its group's prompt.
     `rope_table` (from `rope_table(cfg, L)`) looks the rotary cos/sin up by position
     instead of computing them; positions must be < L (beyond it they read NaN).
     `segments_BxT` (no cache): packed rows, a token attends only to its own segment's tokens.
@@ -323,12 +331,15 @@ class Decoder(nnx.Module):
       else:
         ck = cache["k"][i] if cache is not None else None
         cv = cache["v"][i] if cache is not None else None
+        prompt = cache.get("prompt") if cache is not None else None
         x, k, v = layer(x, angles, ck, cv, valid, offset, write_index, attention, adapters,
-                        segments_BxT, block_kernels)
+                        segments_BxT, block_kernels,
+                        None if prompt is None else (prompt["k"][i], prompt["v"][i], prompt["valid"]))
       x = constrain(x)
       new_k.append(k)
       new_v.append(v)
     hidden = self.final_norm(x).astype(dtype)
     if cache is None:
       return hidden, None
-    return hidden, {"k": new_k, "v": new_v, "valid": valid, "index": write_index + t}
+    out = {"k": new_k, "v": new_v, "valid": valid, "index": write_index + t}
+    return hidden, out if "prompt" not in cache else {**out, "prompt": cache["prompt"]}

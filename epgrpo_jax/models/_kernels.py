@@ -145,6 +145,9 @@ class Kernels:
   decode_attention: one-token steps over a float32 or bfloat16 cache, (q [B, K, G, Hd], keys
   [B, K, Hd, S], values [B, K, S, Hd], allowed [B, S], limit: slots < limit are read) ->
   [B, K, G, Hd] (None: `attention`).
+  shared_decode_attention: the same over a cache whose prompt part is kept once per group
+  (`models.split_cache`), its layer's prompt keys [P, K, Hd, Tp], values [P, K, Tp, Hd] and
+  valid [P, Tp] as three more arguments (None: `models.attend_shared`).
   matmul: x @ w over x's last axis, in x's dtype (a projection's base product).
   folds_adapters(dtype, rows, d_in, d_out): whether a LoRA layer multiplies by its kernel with
   the adapters folded in, by `merged_lora(x, w, a, b, scale)` (w, a, b: one layer's arrays or
@@ -171,6 +174,7 @@ class Kernels:
   attention: str | None = None
   causal_attention: Callable | None = None
   decode_attention: Callable | None = None
+  shared_decode_attention: Callable | None = None
   matmul: Callable = xla_matmul
   folds_adapters: Callable = never_fold
   merged_lora: Callable | None = None

@@ -195,15 +195,21 @@ def check_batch(mesh: Mesh, rows: int, what: str) -> None:
 
 
 def cache_shardings(cache, mesh: Mesh):
-  """Shardings for a KV cache pytree from `models.init_cache`."""
+  """Shardings for a KV cache pytree from `models.init_cache` (and its `"prompt"` part, kept once
+per group by `models.split_cache`: its prompts split as the rows are)."""
   def one(name, x):
     return NamedSharding(mesh, spec_for(CACHE_AXES[name], x.shape, mesh))
-  return {
+  out = {
       "k": [one("k", x) for x in cache["k"]],
       "v": [one("v", x) for x in cache["v"]],
-      "valid": NamedSharding(mesh, spec_for(CACHE_AXES["valid"], cache["valid"].shape, mesh)),
+      "valid": one("valid", cache["valid"]),
       "index": NamedSharding(mesh, P()),
   }
+  if "prompt" in cache:
+    prompt = cache["prompt"]
+    out["prompt"] = {"k": [one("k", x) for x in prompt["k"]], "v": [one("v", x) for x in prompt["v"]],
+                     "valid": one("valid", prompt["valid"])}
+  return out
 
 
 def placement(x):

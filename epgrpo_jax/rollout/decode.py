@@ -56,6 +56,15 @@ def round_up(n: int, k: int) -> int:
   return -(-n // k) * k
 
 
+def segment_ends(n: int, segments: int, multiple: int = 8) -> list[int]:
+  """Ends of the decode segments over N steps: equal, multiples of `multiple` (and of 8), at
+  least 8 long."""
+  segments = max(1, min(segments, n // 8))
+  unit = np.lcm(8, multiple)
+  size = round_up(round_up(n, segments) // segments, unit)
+  return sorted({min(n, size * (i + 1)) for i in range(segments)})
+
+
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
   """Right-aligns each prompt in a [P, length] array; returns (ids int32, mask bool)."""
   ids = np.full((len(prompts), length), pad_id, np.int32)

@@ -29,14 +29,14 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 
-from epgrpo_jax.models import CausalLM, Kernels, as_dtype, init_cache, rope_table
+from epgrpo_jax.models import CausalLM, Kernels, as_dtype, grown, init_cache, rope_table, split_cache
 from epgrpo_jax.kernels import seam
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put  # global arrays, also across processes
 from epgrpo_jax.rollout import continuous
-from epgrpo_jax.rollout.sampling_config import SamplingConfig, segment_ends
+from epgrpo_jax.rollout.sampling_config import SamplingConfig
 from epgrpo_jax.rollout.decode import (DecodeWeights, SampleOutput, block, bucket, chooser, in_blocks, laid_out,
-                                       left_pad, mesh_of, placements, prepared_model, request_keys, round_up,
+                                       left_pad, mesh_of, placements, prepared_model, request_keys, round_up, segment_ends,
                                        stops, token_keys, weights_of)
 
 __all__ = ["SampleOutput", "Sampler", "SamplingConfig", "bucket", "left_pad", "segment_ends", "shared_programs"]
@@ -261,8 +261,10 @@ class Sampler:
     """`part` (`compile`) of the model's decode, `_decode`, `_prefill` or `_block`, over the
     weights prepared once a call (`prepared`; `decode.prepared_model`: with `native`, packed
     for the CPU's products, and the decode attention in C++: a prompt's `prompt_len` slots
-    read once for its `num_samples` rows, which hold identical copies of them)."""
+    read once for its `num_samples` rows, which hold identical copies of them), or a prompt's
+    cache kept once for its rows (`seam.shared_prompt_cache`)."""
     cfg = self.config
+    shared = seam.shared_prompt_cache(cfg.shared_prompt_cache, seam.backend_of(self.mesh))
     with prepared_model(weights, native and cfg.packed_weights, mesh=self.mesh,
                         decode_rows=(num_samples, prompt_len) if native else None
                         ) as (model, logits_of, kernels):
@@ -271,7 +273,7 @@ class Sampler:
         return self._block(model, logits_of, *args, choose=choose, kernels=kernels)
       run = self._prefill if part == "prefill" else self._decode
       return run(model, logits_of, *args, num_samples=num_samples, gen_len=gen_len, choose=choose,
-                 kernels=kernels)
+                 kernels=kernels, shared=shared)
 
   def _emit(self, loop: _Loop, tokens_B, logp_B, entropy_B, caps_B, eos_E) -> _Loop:
     """`loop` with this step's tokens, log-probs and entropies written (pad / 0 for done rows
@@ -292,10 +294,10 @@ class Sampler:
         positions_B=loop.positions_B + 1)
 
   def _prefill(self, model: CausalLM, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
-               num_samples: int, gen_len: int, choose: Callable,
-               kernels: Kernels) -> tuple[_Loop, jax.Array]:
+               num_samples: int, gen_len: int, choose: Callable, kernels: Kernels,
+               shared: bool = False) -> tuple[_Loop, jax.Array]:
     """Prefills each prompt once into a cache with room for the first decode segment, gives
-    each of its G rows a copy (every cache leaf but the scalar index has batch first) and
+    each of its G rows a copy (with `shared`: its slots kept once, `models.split_cache`) and
     draws the first token. Returns (loop state, the rows' request keys [B])."""
     cfg, g, k = self.config, num_samples, self.config.stop_check_every
     p, tp = ids_PxTp.shape
@@ -307,7 +309,8 @@ class Sampler:
                                  init_cache(model.cfg, p, tp + ends[0], cache_dtype),
                                  rope_table=rope_table(model.cfg, tp + n), kernels=kernels)
     logits_BxV = jnp.repeat(logits_of(hidden_PxTpxD[:, -1]), g, axis=0)
-    cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
+    cache = split_cache(cache, g, init_cache(model.cfg, b, ends[0], cache_dtype), tp) if shared else \
+        jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
     keys_B = request_keys(key, p, g)
     prompt_len_B = jnp.repeat(jnp.sum(mask_PxTp, axis=-1, dtype=jnp.int32), g)
     loop = _Loop(
@@ -343,13 +346,15 @@ class Sampler:
     return block(step, self.config.stop_check_every, loop)
 
   def _decode(self, model: CausalLM, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E, *,
-              num_samples: int, gen_len: int, choose: Callable, kernels: Kernels) -> SampleOutput:
+              num_samples: int, gen_len: int, choose: Callable, kernels: Kernels,
+              shared: bool = False) -> SampleOutput:
     cfg, g, k = self.config, num_samples, self.config.stop_check_every
     p, tp = ids_PxTp.shape
     b, n = p * g, round_up(gen_len, k)
     cache_dtype = as_dtype(cfg.cache_dtype) if cfg.cache_dtype else None
     loop, keys_B = self._prefill(model, logits_of, ids_PxTp, mask_PxTp, key, caps_B, eos_E,
-                                 num_samples=g, gen_len=gen_len, choose=choose, kernels=kernels)
+                                 num_samples=g, gen_len=gen_len, choose=choose, kernels=kernels,
+                                 shared=shared)
     step = functools.partial(self._step, model, logits_of, keys_B=keys_B, caps_B=caps_B, eos_E=eos_E,
                              rope_SxHd=rope_table(model.cfg, tp + n), choose=choose,
                              kernels=kernels)
@@ -358,17 +363,14 @@ class Sampler:
     def cond(end: int, loop: _Loop):
       return (loop.step < jnp.minimum(max_new, end)) & ~jnp.all(loop.done_B | (loop.step >= caps_B))
 
-    # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a
-    # larger one (the same layout, more slots), so attention never reads more than it needs.
+    # Segment j writes slots < Tp + ends[j] - 1; a new segment copies the cache into a larger
+    # one (more slots; `grown`), so attention never reads more than it needs.
     # The segments end on multiples of k, and a block starts at a step = 1 (mod k) below its
     # segment's end, so its last step still writes a slot of the segment's cache.
     for j, end in enumerate(segment_ends(n, cfg.decode_segments, k)):
       if j:
-        larger = init_cache(model.cfg, b, tp + end, cache_dtype)
-        cache = jax.tree.map(
-            lambda new, old: lax.dynamic_update_slice(new, old, (0,) * old.ndim) if old.ndim else old,
-            larger, loop.cache)
-        loop = loop.replace(cache=self._constrain_cache(cache))
+        larger = init_cache(model.cfg, b, end if shared else tp + end, cache_dtype)
+        loop = loop.replace(cache=self._constrain_cache(grown(loop.cache, larger)))
       loop = in_blocks(functools.partial(cond, end), step, k, loop)
     mask_BxN = jnp.arange(gen_len)[None, :] < loop.lengths_B[:, None]
     shape = (p, g, gen_len)

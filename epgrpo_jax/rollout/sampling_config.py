@@ -5,12 +5,11 @@ blocks and segments, continuous batching) and the decode segments they give (`se
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
-import numpy as np
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import as_dtype
-from epgrpo_jax.rollout.decode import round_up
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -45,7 +44,9 @@ class SamplingConfig:
   `continuous` the requests (prompt, sample) run through `slots` rows:
   `refill_every` tokens decode in one program, then finished slots take the
   next requests; `slot_tokens` (0: the longest prompt's bucket + max_new_tokens)
-  is each slot's cache capacity, fixed so calls do not recompile.
+  is each slot's cache capacity, fixed so calls do not recompile. `shared_prompt_cache` (static
+  sampler; true, false, or "auto": per backend, `seam.shared_prompt_cache`) keeps each prompt's
+  cache once for its G rows, read once per group by the decode steps' attention.
   """
 
   temperature: float = 1.0
@@ -66,6 +67,7 @@ class SamplingConfig:
   slots: int = 32
   refill_every: int = 8
   slot_tokens: int = 0
+  shared_prompt_cache: bool | Literal["auto"] = "auto"
 
   def __post_init__(self):
     if not self.temperature >= 0:  # also rejects NaN
@@ -86,6 +88,9 @@ class SamplingConfig:
     for name in ("stop_check_every", "slots", "refill_every"):
       if getattr(self, name) < 1:
         raise UserError(f"sampling.{name}: must be >= 1, got {getattr(self, name)}")
+    if self.shared_prompt_cache not in (True, False, "auto"):
+      raise UserError(f"sampling.shared_prompt_cache: must be true, false or auto, got "
+                      f"{self.shared_prompt_cache!r}")
     if self.slot_tokens < 0:
       raise UserError(f"sampling.slot_tokens: must be >= 0 (0 = sized to the requests), "
                       f"got {self.slot_tokens}")
@@ -102,11 +107,3 @@ class SamplingConfig:
   def replace(self, **kw) -> "SamplingConfig":
     return dataclasses.replace(self, **kw)
 
-
-def segment_ends(n: int, segments: int, multiple: int = 8) -> list[int]:
-  """Ends of the decode segments over N steps: equal, multiples of `multiple` (and of 8), at
-  least 8 long."""
-  segments = max(1, min(segments, n // 8))
-  unit = np.lcm(8, multiple)
-  size = round_up(round_up(n, segments) // segments, unit)
-  return sorted({min(n, size * (i + 1)) for i in range(segments)})

@@ -276,7 +276,10 @@ class StepParts:
     b = loop.last_B.shape[0]
     s = self.cfg.sampling
     cache_dtype = as_dtype(s.cache_dtype) if s.cache_dtype else None
-    cache = jax.eval_shape(lambda: init_cache(self.model_cfg, b, slots, cache_dtype))
+    prompt = loop.cache.get("prompt")  # kept once per group (`sampling.shared_prompt_cache`)
+    own = slots if prompt is None else slots - self.prompt_slots  # the rows' own slots
+    cache = jax.eval_shape(lambda: init_cache(self.model_cfg, b, own, cache_dtype))
+    cache = cache if prompt is None else {**cache, "prompt": prompt}
     loop = loop.replace(cache=abstract(cache, sharding.cache_shardings(cache, self.sampler_mesh)))
     n = round_up(self.gen_len, self.block_steps)
     rope = jax.eval_shape(lambda: rope_table(self.model_cfg, self.prompt_slots + n))
