@@ -914,6 +914,20 @@ def test_remat_keeps_only_each_layers_input():
   assert per_layer < 1.5 * layer_input
 
 
+def test_gradient_programs_compiler_options_follow_the_backend():
+  """XLA:CPU with remat: no CSE (above); TPU with FSDP: no windowed einsums for all-gathers
+  (their whole-output buffers were held a micro-batch long, 0.43 GB a 3B layer on v5e);
+  anything else: the compiler's defaults."""
+  from epgrpo_jax.training import programs
+  assert programs.gradient_options("cpu", True, 1) == programs.cpu_remat_options()
+  assert programs.gradient_options("cpu", True, 8) == programs.cpu_remat_options()
+  assert programs.gradient_options("tpu", True, 8) == {
+      "xla_tpu_enable_windowed_einsum_for_all_gather": "false"}
+  assert programs.gradient_options("tpu", False, 4) == programs.tpu_fsdp_options()
+  for backend, remat, fsdp in (("cpu", False, 8), ("tpu", True, 1), ("gpu", True, 8)):
+    assert programs.gradient_options(backend, remat, fsdp) is None
+
+
 def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
   """Full fine-tuning, where the gradients are as large as the weights: the accumulating program
   keeps one running sum, so its compiled temporaries stay put as k goes 1 -> 2 -> 4 (holding each
