@@ -257,6 +257,11 @@ def test_dynamic_sampling_static_shapes_and_exact_resume(task, tmp_path):
       "loss.top_entropy_quantile=0.5", "loss.importance_sampling_level=sequence",
       "loss.mask_truncated_completions=true")
   P, G = 4, 4
+  # Start from empty JAX caches, so the count below is this test's own programs only and not
+  # what earlier tests in the same worker left behind: once, in a full-suite xdist worker, step 2
+  # counted one trace and no compile; it did not happen with the test run alone. A retrace that
+  # step 2 causes itself is still counted.
+  jax.clear_caches()
   trainer = Trainer(cfg)
   try:
     state = trainer.restore_or_init()
