@@ -102,18 +102,22 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # also fires on pe
 
 
 class Events:
-  """Counts jit tracings and XLA executable builds while installed."""
+  """Counts jit tracings and XLA executable builds while installed; `names` lists the functions
+  traced or compiled, in order, so that an unexpected count says what it was."""
 
   def __init__(self):
     self.traces = self.compiles = 0
+    self.names: list[str] = []
     self._lock = threading.Lock()
 
-  def _listener(self, event: str, duration: float, **_) -> None:
+  def _listener(self, event: str, duration: float, *, fun_name: str = "?", **_) -> None:
     with self._lock:
       if event == TRACE_EVENT:
         self.traces += 1
+        self.names.append(f"trace {fun_name}")
       elif event == COMPILE_EVENT:
         self.compiles += 1
+        self.names.append(f"compile {fun_name}")
 
   def __enter__(self) -> "Events":
     jax.monitoring.register_event_duration_secs_listener(self._listener)
