@@ -122,8 +122,8 @@ def test_partials_merge_by_log_sum_exp():
   o = jnp.einsum("jbkgs,jbksh->jbkgh", p, v_2xBxKxSxHd)
   union = jax.nn.softmax(jnp.concatenate(list(s_2xBxKxGxS), -1), -1)
   want = jnp.einsum("bkgs,bksh->bkgh", union, jnp.concatenate(list(v_2xBxKxSxHd), 2))
-  chex.assert_trees_all_close(gpu.merged(o, m, p.sum(-1)), want, atol=1e-6)
-  empty = gpu.merged(o.at[1].set(0.0), m.at[1].set(gpu.NEG), jnp.zeros_like(m).at[0].set(p[0].sum(-1)))
+  chex.assert_trees_all_close(gpu.merge_partials(o, m, p.sum(-1)), want, atol=1e-6)
+  empty = gpu.merge_partials(o.at[1].set(0.0), m.at[1].set(gpu.NEG), jnp.zeros_like(m).at[0].set(p[0].sum(-1)))
   chex.assert_trees_all_close(empty, o[0] / p[0].sum(-1)[..., None], atol=1e-6)  # a split with no slot
 
 

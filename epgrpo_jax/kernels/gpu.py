@@ -18,7 +18,7 @@ with an additive mask, which lets NaN in an invalid slot of a read block through
 One program per (row, KV head, split): its G query heads (padded to `Gp` >= 16 rows, for
 Triton's dot) against blocks of `block` slots of its split of the span, an online softmax;
 the splits' partial results (unnormalised output, row max, row sum) merge by log-sum-exp
-(`merged`). Shape suffixes as in `models._decoder`; Gp padded query heads, J splits,
+(`models.merge_partials`). Shape suffixes as in `models._decoder`; Gp padded query heads, J splits,
 Bk slots per block.
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from epgrpo_jax.models import attend, attend_shared
+from epgrpo_jax.models import attend, attend_shared, merge_partials
 
 NEG = -1e30  # finite: a block with no readable slot leaves exp(NEG - NEG) to be masked, not NaN
 MIN_SLOTS = 16  # Triton's dot needs 16 or more along each axis
@@ -100,20 +100,10 @@ def _kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, allowed_ref, o_ref, m_ref, l_re
   l_ref[...] = l_Gp
 
 
-def merged(o_JxBxKxGxHd, m_JxBxKxG, l_JxBxKxG) -> jax.Array:
-  """Partial softmax results over disjoint slot sets merged: sum_j o_j e^(m_j - M) /
-  sum_j l_j e^(m_j - M), M the largest m_j (0 where no slot was read at all)."""
-  m_BxKxG = m_JxBxKxG.max(axis=0)
-  w_JxBxKxG = jnp.exp(m_JxBxKxG - m_BxKxG[None])
-  l_BxKxG = (l_JxBxKxG * w_JxBxKxG).sum(axis=0)
-  o_BxKxGxHd = (o_JxBxKxGxHd * w_JxBxKxG[..., None]).sum(axis=0)
-  return o_BxKxGxHd / jnp.where(l_BxKxG > 0, l_BxKxG, 1.0)[..., None]
-
-
 def partials(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, lo_B, hi_B, *,
              block: int = 128, programs: int = 256, interpret: bool = False):
   """The kernel's per-split results (o [J, B, K, G, Hd], m and l [J, B, K, G], float32) over
-  each row's slots [lo_B, hi_B) that `allowed_BxS` marks; `merged` combines them."""
+  each row's slots [lo_B, hi_B) that `allowed_BxS` marks; `models.merge_partials` combines them."""
   b, k, g, hd = q_BxKxGxHd.shape
   s = keys_BxKxHdxS.shape[-1]
   bk = block_slots(s, block)
@@ -162,11 +152,11 @@ def decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, li
   lo_B, hi_B = row_spans(allowed_BxS, limit)
   parts = partials(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, lo_B, hi_B,
                    block=block, programs=programs, interpret=interpret)
-  return merged(*parts).astype(q_BxKxGxHd.dtype)
+  return merge_partials(*parts).astype(q_BxKxGxHd.dtype)
 
 
 def prompt_partials(q_BxKxGxHd, prompt_keys_PxKxHdxTp, prompt_values_PxKxTpxHd, prompt_valid_PxTp):
-  """A group's prompt part as one more split for `merged` (o [1, B, K, G, Hd] unnormalised, m
+  """A group's prompt part as one more split for `models.merge_partials` (o [1, B, K, G, Hd] unnormalised, m
   and l [1, B, K, G], float32): the queries of a prompt's rows against its keys and values,
   read once for the group (one XLA product per prompt and KV head; float32 in IEEE precision,
   as the kernel's). A row with no valid prompt slot gives l = 0."""
@@ -192,7 +182,7 @@ def shared_decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_
   """`Kernels.shared_decode_attention` on a GPU, over a cache whose prompt part is kept once per
   group (`models.split_cache`): the prompt part by `prompt_partials` (read once per group),
   each row's own slots by the kernel over its span (`decode_attention`'s), the two merged by
-  log-sum-exp (`merged`). A cache under `MIN_SLOTS` own slots takes `models.attend_shared`."""
+  log-sum-exp (`models.merge_partials`). A cache under `MIN_SLOTS` own slots takes `models.attend_shared`."""
   s = keys_BxKxHdxS.shape[-1]
   prompt = (prompt_keys_PxKxHdxTp, prompt_values_PxKxTpxHd, prompt_valid_PxTp)
   if s < MIN_SLOTS:
@@ -203,4 +193,4 @@ def shared_decode_attention(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_
   own = partials(q_BxKxGxHd, keys_BxKxHdxS, values_BxKxSxHd, allowed_BxS, lo_B, hi_B, block=block,
                  programs=programs, interpret=interpret)
   parts = [jnp.concatenate(pair) for pair in zip(prompt_partials(q_BxKxGxHd, *prompt), own)]
-  return merged(*parts).astype(q_BxKxGxHd.dtype)
+  return merge_partials(*parts).astype(q_BxKxGxHd.dtype)

@@ -10,7 +10,7 @@ from epgrpo_jax.models._lora import (BASE, LORA, LoRA, adapters_are_zero, dense,
                                     merge_adapters, plain_kernels, rank_transposed_matmul, saved_adapters,
                                     unmerge_adapters)
 from epgrpo_jax.models._decoder import attend
-from epgrpo_jax.models._prompt_cache import attend_shared, grown, split_cache
+from epgrpo_jax.models._prompt_cache import attend_shared, grown, merge_partials, split_cache
 from epgrpo_jax.models._rope import rope, rope_cos_sin, rope_table
 from epgrpo_jax.models.interface import Cache, CausalLM
 from epgrpo_jax.models.registry import (Family, abstract_model, build, config_from_hf, config_to_hf, family,

@@ -12,10 +12,11 @@ its own C, the same slots a per-row cache of Tp + C would hold, in the same orde
 
 The decode attention (`attend_shared`) reads each prompt's slots once for its G rows: the
 queries of a group's rows, [G, Q] per KV head, against the prompt's keys in one product, and
-each row's queries against its own completion slots in another. The two parts share one
-softmax: the scores' maximum and the sum of their exponentials are taken over both, so the
-result is the softmax over the Tp + C slots, as `_attention.attend` computes it over the
-per-row cache (up to the order of the float32 sums).
+each row's queries against its own completion slots in another. Each part's softmax is left
+unnormalised (its maximum, its sum of exponentials) and the two are merged by log-sum-exp
+(`merge_partials`, the GPU kernel's merge of its splits too), so the result is the softmax over the
+Tp + C slots, as `_attention.attend` computes it over the per-row cache (up to the order of
+the float32 sums and where the products round).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def grown(cache: Cache, larger: Cache) -> Cache:
 def attend_shared(q_BxKxQxTxHd, keys_BxKxHdxC, values_BxKxCxHd, allowed_BxTxC, prompt_keys_PxKxHdxTp,
                   prompt_values_PxKxTpxHd, prompt_valid_PxTp):
   """softmax(q . keys / sqrt(Hd)) . values over a row's prompt slots (its group's, read once
-  for the G rows) and its own allowed completion slots; the softmax and the dtypes as
-  `_attention.attend` has them over the concatenated slots (every prompt slot precedes the
-  queries: a valid one is visible). A query with no visible slot gets uniform weights."""
+  for the G rows) and its own allowed completion slots; the dtypes as `_attention.attend` has
+  them over the concatenated slots (every prompt slot precedes the queries: a valid one is
+  visible). The two parts are `partial_softmax` results merged by `merge_partials`. A query with no
+  visible slot gets uniform weights."""
   b, k, q, t, hd = q_BxKxQxTxHd.shape
   p = prompt_valid_PxTp.shape[0]
   g = b // p
@@ -77,22 +79,35 @@ def attend_shared(q_BxKxQxTxHd, keys_BxKxHdxC, values_BxKxCxHd, allowed_BxTxC, p
   own_BxKxQxTxC = jnp.einsum("bkqth,bkhs->bkqts", q_BxKxQxTxHd, keys_BxKxHdxC.astype(dtype),
                              preferred_element_type=jnp.float32) / scale
   own_BxKxQxTxC = jnp.where(allowed_BxTxC[:, None, None], own_BxKxQxTxC, _NEG)
-  prompt_BxKxQxTxTp = prompt_PxGxKxQxTxTp.reshape(b, k, q, t, -1)
-  probs_prompt, probs_own = shared_softmax(prompt_BxKxQxTxTp, own_BxKxQxTxC)
-  out_PxGxKxQxTxHd = jnp.einsum("pgkqts,pksh->pgkqth",
-                                probs_prompt.astype(dtype).reshape(p, g, k, q, t, -1),
-                                prompt_values_PxKxTpxHd.astype(dtype),
-                                preferred_element_type=jnp.float32)
-  out_BxKxQxTxHd = out_PxGxKxQxTxHd.reshape(b, k, q, t, hd) + jnp.einsum(
-      "bkqts,bksh->bkqth", probs_own.astype(dtype), values_BxKxCxHd.astype(dtype),
-      preferred_element_type=jnp.float32)
+  e_prompt, m_prompt, l_prompt = partial_softmax(prompt_PxGxKxQxTxTp)
+  out_prompt = jnp.einsum("pgkqts,pksh->pgkqth", e_prompt.astype(dtype), prompt_values_PxKxTpxHd.astype(dtype),
+                          preferred_element_type=jnp.float32).reshape(b, k, q, t, hd)
+  e_own, m_own, l_own = partial_softmax(own_BxKxQxTxC)
+  out_own = jnp.einsum("bkqts,bksh->bkqth", e_own.astype(dtype), values_BxKxCxHd.astype(dtype),
+                       preferred_element_type=jnp.float32)
+  out_BxKxQxTxHd = merge_partials(jnp.stack([out_prompt, out_own]),
+                          jnp.stack([m_prompt.reshape(b, k, q, t), m_own]),
+                          jnp.stack([l_prompt.reshape(b, k, q, t), l_own]))
   return out_BxKxQxTxHd.astype(dtype)
 
 
-def shared_softmax(scores_a, scores_b):
-  """The softmax over the concatenation of two score arrays along their last axis, returned as
-  its two parts: one maximum and one sum of exponentials over both (their log-sum-exp merge)."""
-  max_ = jnp.maximum(scores_a.max(-1, keepdims=True), scores_b.max(-1, keepdims=True))
-  exp_a, exp_b = jnp.exp(scores_a - max_), jnp.exp(scores_b - max_)
-  total = exp_a.sum(-1, keepdims=True) + exp_b.sum(-1, keepdims=True)
-  return exp_a / total, exp_b / total
+def partial_softmax(scores_Nx):
+  """A softmax over the last axis left unnormalised, for `merge_partials`: (exp(scores - m), m, the
+  sum l of the exponentials), m the scores' maximum."""
+  m_N = scores_Nx.max(-1)
+  e_Nx = jnp.exp(scores_Nx - m_N[..., None])
+  return e_Nx, m_N, e_Nx.sum(-1)
+
+
+def merge_partials(o_JxNxHd, m_JxN, l_JxN) -> jax.Array:
+  """Partial softmax results over J disjoint slot sets merged by log-sum-exp: sum_j o_j
+  e^(m_j - M) / sum_j l_j e^(m_j - M), M the largest m_j; o_j the unnormalised output (the
+  exponentials times the values), m_j the set's largest score, l_j its sum of exponentials
+  (0 where no slot was read: a result of 0 where none was read at all). The one merge of the
+  shared prompt cache's two parts (`attend_shared`) and of the GPU kernel's splits
+  (`kernels.gpu`)."""
+  m_N = m_JxN.max(axis=0)
+  w_JxN = jnp.exp(m_JxN - m_N[None])
+  l_N = (l_JxN * w_JxN).sum(axis=0)
+  o_NxHd = (o_JxNxHd * w_JxN[..., None]).sum(axis=0)
+  return o_NxHd / jnp.where(l_N > 0, l_N, 1.0)[..., None]
