@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 from jax import lax
+from jax.experimental.layout import Format, Layout
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import XLA, Kernels, as_dtype, init_cache, rope_table
@@ -46,6 +47,7 @@ from epgrpo_jax.rollout.decode import (DecodeWeights, SampleOutput, bucket, choo
                                        request_keys, stops, token_keys)
 
 NamedSharding = jax.sharding.NamedSharding
+P = jax.sharding.PartitionSpec
 
 
 @struct.dataclass
@@ -102,20 +104,14 @@ def prefill(model, logits_of, ids_PxTp, mask_PxTp, cache_dtype, kernels: Kernels
 
 
 def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
-           eos_E, choose: Callable, pad_id: int) -> tuple[Slots, tuple]:
-  """Slots marked `fill_S` take a new request: prompt `prompt_S`'s cache (its Tp slots, row by
-  row; the rest of the row marked invalid), its key and cap, and its first token. Returns
-  the slots and that token's (tokens, logp, entropy, live) column."""
+           eos_E, choose: Callable, pad_id: int, mesh=None) -> tuple[Slots, tuple]:
+  """Slots marked `fill_S` take a new request: prompt `prompt_S`'s cache (its Tp slots, written
+  into the filled rows only: `write_prompts`; the rest of the row marked invalid), its key and
+  cap, and its first token. Returns the slots and that token's (tokens, logp, entropy, live)
+  column."""
   tp = store["valid"].shape[1]
   cache = dict(slots.cache)
-  fill_Sx1x1x1 = fill_S[:, None, None, None]
-  # Row by row (a select, not a scatter over rows): slots split over a mesh stay where they
-  # are; and the Tp slots written in place (an update slice), the rest of the cache untouched.
-  def put(c, new, head_slots):
-    return lax.dynamic_update_slice(
-        c, jnp.where(fill_Sx1x1x1, new[prompt_S].astype(c.dtype), head_slots), (0,) * c.ndim)
-  cache["k"] = [put(c, new, c[:, :, :, :tp]) for c, new in zip(cache["k"], store["k"])]
-  cache["v"] = [put(c, new, c[:, :, :tp]) for c, new in zip(cache["v"], store["v"])]
+  cache["k"], cache["v"] = write_prompts(cache, store, fill_S, prompt_S, mesh)
   valid_SxC = jnp.zeros_like(cache["valid"]).at[:, :tp].set(store["valid"][prompt_S])
   cache["valid"] = jnp.where(fill_S[:, None], valid_SxC, cache["valid"])
   cache["index"] = jnp.where(fill_S, tp, cache["index"])
@@ -129,6 +125,41 @@ def insert(slots: Slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S
       keys_S=jnp.where(fill_S, keys_S, slots.keys_S), cap_S=jnp.where(fill_S, cap_S, slots.cap_S))
   zero = jnp.float32(0)
   return slots, (tokens_S, jnp.where(fill_S, logp_S, zero), jnp.where(fill_S, entropy_S, zero), fill_S)
+
+
+def copy_rows(k_layers, v_layers, store_k, store_v, fill_S, prompt_S):
+  """The store's prompt `prompt_S[r]` keys and values (its Tp slots) written into slots [0, Tp)
+  of each row r that `fill_S` marks: a loop over those rows only (as many trips as rows
+  filled), each an in-place update of one row per layer; the other rows are neither read nor
+  written. Returns the layers' (keys, values)."""
+  fill_S, prompt_S = jnp.asarray(fill_S), jnp.asarray(prompt_S)
+  rows_S = jnp.argsort(~fill_S, stable=True)  # the filled rows first
+
+  def one(i, layers):
+    r = rows_S[i]
+    def put(c, new):
+      return lax.dynamic_update_slice(c, lax.dynamic_slice_in_dim(new, prompt_S[r], 1).astype(c.dtype),
+                                      (r,) + (0,) * (c.ndim - 1))
+    return [put(c, new) for c, new in zip(layers[0], store_k)], [put(c, new) for c, new in zip(layers[1], store_v)]
+
+  return lax.fori_loop(0, fill_S.sum(dtype=jnp.int32), one, (list(k_layers), list(v_layers)))
+
+
+def write_prompts(cache, store, fill_S, prompt_S, mesh=None):
+  """`copy_rows` over the slots' cache; on a mesh within each device's own rows (`jax.shard_map`:
+  rows stay where they are, the replicated store is read where it lies, nothing is gathered)."""
+  args = (cache["k"], cache["v"], store["k"], store["v"], fill_S, prompt_S)
+  if mesh is None:
+    return copy_rows(*args)
+  kv = sharding.cache_shardings(cache, mesh)
+  k_specs, v_specs = [x.spec for x in kv["k"]], [x.spec for x in kv["v"]]
+  rows = P(tuple(k_specs[0])[0]) if k_specs else P()
+  def whole(spec):  # the store: replicated, split as the cache's other axes
+    return P(None, *tuple(spec)[1:])
+  return jax.shard_map(copy_rows, mesh=mesh, check_vma=False,
+                       in_specs=(k_specs, v_specs, [whole(x) for x in k_specs], [whole(x) for x in v_specs],
+                                 rows, rows),
+                       out_specs=(k_specs, v_specs))(*args)
 
 
 def decode_step(model, logits_of, rope, slots: Slots, eos_E, choose: Callable, pad_id: int,
@@ -160,13 +191,37 @@ def run_block(weights: DecodeWeights, store, first_logits_PxV, prompt_len_P, slo
                       decode_rows=(1, 0) if native else None) as (model, logits_of, kernels):
     rope = rope_table(model.cfg, capacity)
     slots, first = insert(slots, store, first_logits_PxV, prompt_len_P, fill_S, prompt_S, keys_S, cap_S,
-                          eos_E, choose, pad_id)
+                          eos_E, choose, pad_id, mesh)
     step = functools.partial(decode_step, model, logits_of, rope, eos_E=eos_E, choose=choose,
                              pad_id=pad_id, kernels=kernels)
     slots, steps = lax.scan(lambda c, _: step(c), slots, length=k)
   slots = _on_mesh(slots, mesh)
   columns = [jnp.concatenate([a[:, None], b.T], axis=1) for a, b in zip(first, steps)]
   return slots, Block(*columns)
+
+
+def lower_block(fn: Callable, args, donate: tuple[int, ...] = (4,)):
+  """The block program (`run_block` over `args`, the slots `args[4]` donated) compiled with the
+  slots' keys and values in the layout the compiler picks (`Layout.AUTO`), the same in and
+  out. Its decode loop writes one slot per row (a scatter); on TPU it wants each row's slots
+  major to its heads, and with the caller's (the default) layout the program would copy the
+  whole cache into that layout and back every block. The engine's slots take the picked
+  layout at the first call (a copy; jit relayouts an argument that differs) and keep it from
+  block to block. On CPU the picked layout is the default one."""
+  slots = args[4]
+  def placed(x):  # an array's sharding, None where jit places it (uncommitted: by the other arguments)
+    return x.sharding if getattr(x, "committed", True) else None
+  def auto(x):
+    return Format(Layout.AUTO, placed(x))
+  def abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed(x))
+  def kv(tree: Slots, f) -> Slots:  # f on the cache's keys and values
+    return tree.replace(cache={**tree.cache, "k": [f(x) for x in slots.cache["k"]],
+                               "v": [f(x) for x in slots.cache["v"]]})
+  formats = kv(jax.tree.map(placed, slots), auto)
+  in_shardings = (None,) * 4 + (formats,) + (None,) * (len(args) - 5)
+  return jax.jit(fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=(formats, None)).lower(
+      *args[:4], kv(slots, abstract), *args[5:]).compile()
 
 
 def slot_shardings(slots: Slots, mesh) -> Slots:
@@ -311,7 +366,7 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
     args = (weights, store[0], store[1], place(mask_QxTp.sum(axis=1, dtype=np.int32)), slots,
             place(fill), place(prompt_s), keys_S, place(cap_s), eos_E)
     tag = f"block slots={rows} tokens={k} prompts={p * batches} prompt_len={tp} capacity={capacity}"
-    program = sampler.compiled(graphdef, tag, block_fn, args, donate=(4,))  # the slots
+    program = sampler.compiled(graphdef, tag, block_fn, args, donate=(4,), lower=lower_block)  # the slots
     slots, block = program(*args)
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))

@@ -190,10 +190,12 @@ class Sampler:
     eos = () if self.config.ignore_eos else tuple(self.eos_ids if eos_ids is None else eos_ids)
     return jnp.asarray(eos or (-1,), jnp.int32)  # -1: never matches
 
-  def compiled(self, graphdef, tag: str, fn: Callable, args, donate: tuple[int, ...] = ()):
+  def compiled(self, graphdef, tag: str, fn: Callable, args, donate: tuple[int, ...] = (),
+               lower: Callable | None = None):
     """`fn` jitted and compiled for `args` once per (model structure, `tag`, argument
     signature), the arguments `donate` donated
-    (updated in place); shared within `shared_programs`; each compilation counted and logged."""
+    (updated in place); shared within `shared_programs`; each compilation counted and logged.
+    `lower(fn, args, donate)`: how to compile it (default: plain `jax.jit`)."""
     leaves, treedef = jax.tree.flatten(args)
     signature = (graphdef, tag, treedef,
                  tuple((x.shape, x.dtype, sharding.placement(x)) for x in leaves))
@@ -205,7 +207,7 @@ class Sampler:
         self._programs[signature] = program
     if program is None:
       start = time.perf_counter()
-      program = self._lower(fn, args, donate)
+      program = (lower or self._lower)(fn, args, donate)
       self._programs[signature] = program
       if _SHARED_PROGRAMS is not None:
         _SHARED_PROGRAMS[shared_key] = program

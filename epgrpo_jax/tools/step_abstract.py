@@ -343,4 +343,4 @@ class StepParts:
                                             capacity=self.slot_capacity, pad_id=0))
     args = (self.sampler_weights, store, logits, prompt_len_P, slots, per_slot(jnp.bool_),
             per_slot(jnp.int32), keys_S, per_slot(jnp.int32), eos)
-    return jax.jit(fn, donate_argnums=(4,)).lower(*args).compile()  # the slots, as the engine
+    return continuous.lower_block(fn, args)  # as the engine: the slots donated, their cache's layout picked
