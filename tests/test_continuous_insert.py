@@ -7,12 +7,15 @@ all-gather."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from epgrpo_jax.models import init_cache, preset
+from epgrpo_jax.models import Qwen2, init_cache, preset
 from epgrpo_jax.parallel import sharding
 from epgrpo_jax.rollout import continuous
+from epgrpo_jax.rollout.sampling import Sampler, SamplingConfig
+from helpers import Events
 
 CFG = preset("test-tiny")
 
@@ -108,3 +111,18 @@ def test_insertion_touches_the_cache_only_by_row_updates_in_a_loop_over_the_fill
   updates = [e for e in eqns(loop.params["body_jaxpr"].jaxpr) if e.primitive.name == "dynamic_update_slice"]
   assert len(updates) == 2 * len(cache["k"])  # one row per layer's keys and values
   assert all(e.invars[1].aval.shape[0] == 1 for e in updates)
+
+
+def test_the_engine_compiles_nothing_in_steady_state():
+  # the blocks are compiled with their cache's layout picked (`continuous.lower_block`): a second
+  # call of the same shapes, other keys, reuses every program and builds no executable
+  model = Qwen2(CFG, rngs=nnx.Rngs(0))
+  sampler = Sampler(SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=12, continuous=True, slots=3,
+                                   refill_every=2, cpu_kernels=False), eos_ids=tuple(range(1, 9)))
+  prompts = [[9, 17, 33, 12], [44, 13, 50], [30, 31]]
+  sampler.sample(model, prompts, 2, jax.random.key(0))
+  programs = sampler.num_compilations
+  with Events() as later:
+    sampler.sample(model, prompts, 2, jax.random.key(1))
+  assert sampler.num_compilations == programs
+  assert later.compiles == 0, later.names
