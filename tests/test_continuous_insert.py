@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.experimental.layout import Layout
 
 from epgrpo_jax.models import Qwen2, init_cache, preset
 from epgrpo_jax.parallel import sharding
@@ -126,3 +127,27 @@ def test_the_engine_compiles_nothing_in_steady_state():
     sampler.sample(model, prompts, 2, jax.random.key(1))
   assert sampler.num_compilations == programs
   assert later.compiles == 0, later.names
+
+
+def test_the_engine_runs_with_its_cache_in_a_layout_other_than_the_default(monkeypatch):
+  # On TPU the block's picked layout is not the default one, and a compiled program refuses a
+  # committed argument in another layout: the engine copies the slots into the block's layout
+  # (and into the shrink program's). Forcing a non-default layout on CPU, on a mesh (committed
+  # slots, as on TPU), runs that path; the tokens and log-probs must not change.
+  from epgrpo_jax.models import param_rules
+  mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=1, tensor=1), devices=jax.devices()[:2])
+  graphdef, state = nnx.split(Qwen2(CFG, rngs=nnx.Rngs(0)))
+  state = jax.device_put(state, sharding.state_shardings(state, mesh, param_rules(CFG)))
+  config = SamplingConfig(temperature=1.0, top_p=0.95, max_new_tokens=12, continuous=True, slots=4,
+                          refill_every=2, cpu_kernels=False)
+  prompts = [[9, 17, 33, 12], [44, 13, 50], [30, 31], [7, 8, 9]]
+  want = Sampler(config, eos_ids=tuple(range(1, 9)), mesh=mesh).sample((graphdef, state), prompts, 2,
+                                                                        jax.random.key(3))
+  monkeypatch.setattr(continuous, "KV_LAYOUT", Layout(major_to_minor=(3, 2, 1, 0)))
+  sampler = Sampler(config, eos_ids=tuple(range(1, 9)), mesh=mesh)
+  got = sampler.sample((graphdef, state), prompts, 2, jax.random.key(3))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.logp, want.logp)
+  blocks = [p for p in sampler._programs.values() if len(p.input_formats[0]) > 4]
+  assert blocks and all(p.input_formats[0][4].cache["k"][0].layout.major_to_minor == (3, 2, 1, 0)
+                        for p in blocks)  # the forced layout was the blocks' own

@@ -224,6 +224,19 @@ def placement(x):
   return placed.mesh, spec, placed.memory_kind
 
 
+def fitted(tree, formats):
+  """`tree`'s arrays copied into `formats` (a compiled program's input formats for them) where
+  their layout differs, the others as they are. A program compiled for a picked layout
+  (`Layout.AUTO`) refuses a committed argument in any other, and a program's outputs leave in
+  the default layout unless it says otherwise."""
+  def fit(x, want):
+    have = getattr(x, "format", None)
+    if want is None or want.layout is None or have is None or have.layout == want.layout:
+      return x
+    return jax.device_put(x, want)
+  return jax.tree.map(fit, tree, formats)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx, struct
 from jax import lax
 from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from epgrpo_jax.io.errors import UserError
 from epgrpo_jax.models import XLA, Kernels, as_dtype, init_cache, rope_table
@@ -45,9 +46,6 @@ from epgrpo_jax.parallel import sharding
 from epgrpo_jax.parallel.distributed import put
 from epgrpo_jax.rollout.decode import (DecodeWeights, SampleOutput, bucket, chooser, left_pad, prepared_model,
                                        request_keys, stops, token_keys)
-
-NamedSharding = jax.sharding.NamedSharding
-P = jax.sharding.PartitionSpec
 
 
 @struct.dataclass
@@ -200,19 +198,22 @@ def run_block(weights: DecodeWeights, store, first_logits_PxV, prompt_len_P, slo
   return slots, Block(*columns)
 
 
+KV_LAYOUT = Layout.AUTO  # the block's cache layout: the compiler's pick (tests force another)
+
+
 def lower_block(fn: Callable, args, donate: tuple[int, ...] = (4,)):
   """The block program (`run_block` over `args`, the slots `args[4]` donated) compiled with the
   slots' keys and values in the layout the compiler picks (`Layout.AUTO`), the same in and
   out. Its decode loop writes one slot per row (a scatter); on TPU it wants each row's slots
   major to its heads, and with the caller's (the default) layout the program would copy the
-  whole cache into that layout and back every block. The engine's slots take the picked
-  layout at the first call (a copy; jit relayouts an argument that differs) and keep it from
-  block to block. On CPU the picked layout is the default one."""
+  whole cache into that layout and back every block. The engine's slots are copied into the
+  picked layout before the first block (`sharding.fitted`: the compiled program refuses any
+  other) and keep it from block to block. On CPU the picked layout is the default one."""
   slots = args[4]
   def placed(x):  # an array's sharding, None where jit places it (uncommitted: by the other arguments)
     return x.sharding if getattr(x, "committed", True) else None
   def auto(x):
-    return Format(Layout.AUTO, placed(x))
+    return Format(KV_LAYOUT, placed(x))
   def abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed(x))
   def kv(tree: Slots, f) -> Slots:  # f on the cache's keys and values
@@ -351,7 +352,7 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
       order_arg = place(np.asarray(order, np.int32))
       shrink = sampler.compiled(graphdef, f"shrink slots={len(owner)}->{rows} capacity={capacity}",
                                 functools.partial(_shrink, mesh=mesh), (slots, order_arg))
-      slots = shrink(slots, order_arg)
+      slots = shrink(sharding.fitted(slots, shrink.input_formats[0][0]), order_arg)
       owner = [owner[i] for i in order]
       busy = list(range(len(busy)))
     fill = np.zeros(rows, bool)
@@ -367,7 +368,7 @@ def run(sampler, graphdef, state, g: int, max_new: int, eos_E: jax.Array,
             place(fill), place(prompt_s), keys_S, place(cap_s), eos_E)
     tag = f"block slots={rows} tokens={k} prompts={p * batches} prompt_len={tp} capacity={capacity}"
     program = sampler.compiled(graphdef, tag, block_fn, args, donate=(4,), lower=lower_block)  # the slots
-    slots, block = program(*args)
+    slots, block = program(*args[:4], sharding.fitted(slots, program.input_formats[0][4]), *args[5:])
     sampler.decode_row_steps += rows * k
     out, t_S, done_S = jax.device_get((block, slots.t_S, slots.done_S))
     prompt_of = np.asarray([o // g if o >= 0 else -1 for o in owner])[:, None]
