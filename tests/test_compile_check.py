@@ -5,6 +5,7 @@ mesh's devices, not the host's backend; the command's errors are one line, exit 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import subprocess
@@ -347,6 +348,28 @@ def test_the_head_is_gathered_outside_its_chunk_loops(monkeypatch):
   monkeypatch.setattr(sharding, "activation_constraints", lambda mesh: (
       lambda x, kind="hidden", c=constrain(mesh): x if kind == "head" else c(x, kind)))
   assert any(len(g.loops) == 2 and g.dims == (32, 8192) for g in head_gathers())
+
+
+@needs_libtpu
+def test_the_score_passes_gather_the_frozen_weights_each_for_itself(monkeypatch):
+  """The score program's policy and reference passes read the same frozen weights (LoRA). Fenced
+  apart (`objective.score`), each pass gathers each layer's FSDP-split weights for itself: 2 passes
+  x 2 layers of the [32, 64] gate and up and the [64, 32] down, and the head twice. Without the
+  fence the compiler gathers each weight once for both passes, and holds every layer's gathered
+  copy from one pass to the other (Qwen2.5-7B on a v5e-16: 0.29-0.43 GiB a layer)."""
+  from epgrpo_jax.models.flops import all_gathers
+  from epgrpo_jax.training import objective
+
+  def gathered():
+    args = compile_check.parse_args(["--topology", "v5e:2x2", *TINY, "mesh.data=1", "mesh.fsdp=4",
+                                     "train.fused_update=false", "model.dtype=bfloat16"])
+    check = compile_check.CompileCheck.create(args, tpu_costs.topology_devices("v5e:2x2"))
+    counts = collections.Counter(g.dims for g in all_gathers(dict(check.programs())["score"]().hlo))
+    return counts[(32, 64)], counts[(64, 32)], counts[(32, 97)]
+
+  assert gathered() == (8, 4, 2)
+  monkeypatch.setattr(objective, "after", lambda state, done: state)
+  assert gathered() == (4, 2, 1)
 
 
 @needs_libtpu

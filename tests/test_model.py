@@ -928,6 +928,17 @@ def test_gradient_programs_compiler_options_follow_the_backend():
     assert programs.gradient_options(backend, remat, fsdp) is None
 
 
+def test_score_programs_compiler_options_follow_the_backend():
+  """The score and reference programs: no windowed einsums for all-gathers on TPU with FSDP (with
+  the passes fenced apart, a 7B layer holds 0.03 GiB on a v5e-16 instead of 0.29-0.43); CPU and GPU
+  programs, and TPU without FSDP, compile with the compiler's defaults."""
+  from epgrpo_jax.training import programs
+  assert programs.scoring_options("tpu", 16) == {"xla_tpu_enable_windowed_einsum_for_all_gather": "false"}
+  assert programs.scoring_options("tpu", 2) == programs.tpu_fsdp_options()
+  for backend, fsdp in (("tpu", 1), ("cpu", 1), ("cpu", 8), ("gpu", 1), ("gpu", 8)):
+    assert programs.scoring_options(backend, fsdp) is None
+
+
 def test_gradient_accumulation_memory_does_not_grow_with_the_micro_batches():
   """Full fine-tuning, where the gradients are as large as the weights: the accumulating program
   keeps one running sum, so its compiled temporaries stay put as k goes 1 -> 2 -> 4 (holding each
