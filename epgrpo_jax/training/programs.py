@@ -181,7 +181,8 @@ class StepFunctions:
       self.fused_program = jit(
           functools.partial(fused_update, graphdef, tx, **fused_kw),
           (s.trainable, s.opt_state, *fused_in[1:]) if s else None,
-          (s.trainable, s.opt_state, s.replicated, scored) if s else None, donate_argnums=(0, 1))
+          (s.trainable, s.opt_state, s.replicated, scored) if s else None, donate_argnums=(0, 1),
+          compiler_options=score_options)  # as its passes: none on CPU and GPU (not remat's)
       self.fused_gradients_program = jit(
           functools.partial(fused_gradients, graphdef, **fused_kw), fused_in,
           (s.replicated, s.replicated, s.trainable, scored) if s else None,
