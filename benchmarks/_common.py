@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import platform
+import resource
 import statistics
 import threading
 import time
@@ -25,13 +26,24 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # -- the machine ---------------------------------------------------------------------------
 
 
+def usable_cores() -> int:
+  """The CPUs this process may run on."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:
+    return os.cpu_count() or 1
+
+
+def cpu_seconds() -> float:
+  """User and system CPU time of this process so far, over all its threads."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
 def machine_line() -> str:
   """CPUs, load average, thread settings: printed with every result."""
   load = os.getloadavg()
-  try:
-    cores = len(os.sched_getaffinity(0))
-  except AttributeError:
-    cores = os.cpu_count()
+  cores = usable_cores()
   return (f"{platform.machine()} {cores} CPUs usable, load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
 

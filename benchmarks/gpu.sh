@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The accelerator figures on one H100/H200-class GPU (random weights, bf16), in about 21 minutes
-# (the time limits add up to 1,170 s plus start-up). A session's device call is limited to 10
-# minutes, so run it in parts (the limits of each: 0 270 s, 1-3 320-440 s, 4 320 s, 5 260 s):
+# The accelerator figures on one H100/H200-class GPU (random weights, bf16), in about 26 minutes
+# (the time limits add up to 1,470 s plus start-up). A session's device call is limited to 10
+# minutes, so run it in parts (the limits of each: 0 270 s, 1-3 320-440 s, 4 320 s, 5 260 s,
+# 6 300 s):
 #
 #   bash benchmarks/gpu.sh [--peak-tflops 989] [--out FILE]   # 989: H100/H200 dense bf16
 #   bash benchmarks/gpu.sh --parts 0 [...]                     # the update only (about 5 minutes)
@@ -32,7 +33,10 @@
 #      --profile: one more call of each side, completions cut to 32 tokens, traced with
 #      jax.profiler; the device op time per decode step split into decode attention,
 #      projections/MLP, LM head, sampling, cache writes and the rest, and its ratio to the
-#      weight-read floor (the weights at the device kind's HBM bandwidth, benchmarks/_profile.py).
+#      weight-read floor (the weights at the device kind's HBM bandwidth, benchmarks/_profile.py);
+#   6. whole RL steps with the next batch sampled one step ahead (rollout.max_staleness=1, the
+#      token-level correction) against synchronous steps, both on the one GPU (async.py, its
+#      one-device sides) at the Qwen2.5-0.5B shape: 8 x 8, MATH lengths up to 512 new tokens.
 # Each part has a time limit, so that a hung part cannot eat the others' time; a part that
 # fails or times out prints FAILED and the script goes on. Everything goes to stdout and to
 # FILE (default benchmarks/results-gpu-<date>.txt, or results-dry-run-<date>.txt); record the
@@ -62,7 +66,7 @@ while [ $# -gt 0 ]; do
 done
 case ",$PARTS," in
   ,,) ;;
-  *[!0-5,]*|*,,*) echo "--parts: a comma-separated list of parts 0-5, got '$PARTS'" >&2; exit 2 ;;
+  *[!0-6,]*|*,,*) echo "--parts: a comma-separated list of parts 0-6, got '$PARTS'" >&2; exit 2 ;;
 esac
 part() {  # part N: whether --parts selects part N (all of them without --parts)
   [ -z "$PARTS" ] || case ",$PARTS," in *",$1,"*) return 0 ;; *) return 1 ;; esac
@@ -117,6 +121,8 @@ if [ "$DRY" = 1 ]; then  # generous limits: a loaded CI machine, not the GPU's t
   ROLL="--preset bench-tiny --prompts 2 --samples 2 --new-tokens 32 --slots 2 --rounds 1"
   part 4 && run 300 "$PY" rollout.py $ROLL --profile --profile-tokens 16
   part 4 && run 300 "$PY" rollout.py $ROLL --attention plain
+  part 6 && run 300 "$PY" async.py --only "1 device" --prompts 2 --samples 2 --new-tokens 16 \
+      --max-prompt-tokens 128 --steps 1 --warmup 1 --rounds 1
 else
   UPDATE="--rows 8 --row-length 4096 --prompt-len 256 --completion-len 768 --steps 3 --peak-tflops $PEAK"
   part 0 && run 150 "$PY" update_gpu.py --preset qwen2.5-3b $UPDATE
@@ -138,5 +144,8 @@ else
   part 4 && run 150 "$PY" rollout.py $ROLL --attention plain
   part 5 && run 260 "$PY" rollout.py --preset qwen2.5-3b --dtype bfloat16 --prompts 16 --samples 8 \
       --new-tokens 2048 --slots 64 --rounds 1 --profile
+  part 6 && run 300 "$PY" async.py --only "1 device" --preset qwen2.5-0.5b --dtype bfloat16 --prompts 8 \
+      --samples 8 --new-tokens 512 --max-prompt-tokens 128 --steps 2 --warmup 2 --rounds 2 \
+      --set train.grad_accumulation=2 model.remat=true
 fi
 echo; echo "total $((SECONDS - START)) s; results written to $OUT"

@@ -36,7 +36,8 @@ def test_gpu_script_dry_run(tmp_path):
                  "model FLOPs", "profiled step, device op time", "attention", "lm_head",
                  "compiled footprint", "useful-slot fraction", "compiled while timed: 0",
                  "decode attention: ", "valid-slot reads: prompts", "--profile",
-                 "profile continuous: ", "device op time per decode step", "cache_write"):
+                 "profile continuous: ", "device op time per decode step", "cache_write",
+                 "1 device: k=1 / k=0 = "):
     assert figure in text, f"{figure!r} missing from the dry run's figures:\n{text[-4000:]}"
   for side in ("static", "continuous"):  # the decode step's parts found by their name scopes
     line = re.search(rf"profile {side}: .*per decode step.*", text)

@@ -7,8 +7,9 @@ optimizer steps its sampling policy had taken; at step s (s steps taken) it is t
 s - v <= k, and an older one is dropped (counted) and replaced by a fresh batch. No batch is
 drawn for a step past the run's last, so none is sampled and left untrained. The worker's
 sampler programs and the main thread's update programs are both dispatched to JAX: on a rollout
-mesh beside the training mesh they run at the same time; on one device the device work takes
-turns and only the host's share overlaps (the decode loop's host side, detokenising, rewards).
+mesh beside the training mesh they run at the same time; on one accelerator the device runs them
+in turn and the host's share overlaps (the decode loop's host side, detokenising, rewards); on
+one CPU device XLA runs both at once on the host's cores, which they share.
 
 The prompts of every batch are drawn in the main thread in step order, and batch j of the ones
 drawn at a step samples with `batch_keys(the step's sample key)[j]`, so a run is a function of
