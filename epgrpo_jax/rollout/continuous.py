@@ -216,13 +216,13 @@ def lower_block(fn: Callable, args, donate: tuple[int, ...] = (4,)):
     return Format(KV_LAYOUT, placed(x))
   def abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed(x))
-  def kv(tree: Slots, f) -> Slots:  # f on the cache's keys and values
-    return tree.replace(cache={**tree.cache, "k": [f(x) for x in slots.cache["k"]],
+  def with_kv(base: Slots, f) -> Slots:  # `base`, its cache's keys and values f of the slots' own
+    return base.replace(cache={**base.cache, "k": [f(x) for x in slots.cache["k"]],
                                "v": [f(x) for x in slots.cache["v"]]})
-  formats = kv(jax.tree.map(placed, slots), auto)
+  formats = with_kv(jax.tree.map(placed, slots), auto)
   in_shardings = (None,) * 4 + (formats,) + (None,) * (len(args) - 5)
   return jax.jit(fn, donate_argnums=donate, in_shardings=in_shardings, out_shardings=(formats, None)).lower(
-      *args[:4], kv(slots, abstract), *args[5:]).compile()
+      *args[:4], with_kv(slots, abstract), *args[5:]).compile()
 
 
 def slot_shardings(slots: Slots, mesh) -> Slots:
